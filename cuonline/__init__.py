@@ -1,0 +1,1 @@
+"""cuonline: exact FlashAttention-style attention for NumPy and CuPy arrays."""
