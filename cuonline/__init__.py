@@ -1,1 +1,13 @@
-"""cuonline: exact FlashAttention-style attention for NumPy and CuPy arrays."""
+"""cuonline: exact FlashAttention-style attention for NumPy and CuPy arrays.
+
+``cuonline.attention(q, k, v)`` computes ``softmax(scale * q @ k.T) @ v`` in tiles with an
+online softmax, so the score matrix never exists in memory. NumPy arrays run on a threaded,
+tiled NumPy engine; CuPy arrays on CUDA kernels compiled at run time. Importing cuonline
+imports no CuPy and compiles nothing.
+"""
+
+from ._api import attention, log_softmax, logsumexp, merge, softmax
+
+__all__ = ["attention", "merge", "softmax", "log_softmax", "logsumexp", "__version__"]
+
+__version__ = "0.1.0"

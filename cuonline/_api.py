@@ -1,0 +1,272 @@
+"""The public functions: documentation, validation, dispatch. No numerics live here."""
+
+from __future__ import annotations
+
+import importlib
+
+from . import _validate
+from .engines import merge as _merge
+from .engines import softmax as _softmax
+
+__all__ = ["attention", "merge", "softmax", "log_softmax", "logsumexp"]
+
+# backend name -> module under cuonline.engines implementing ``attention(problem)``
+_ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
+
+
+def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
+              kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False,
+              backend="auto"):
+    r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
+
+    Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
+    the ``Lq x Lk`` score matrix: keys and values are visited in tiles while each query row
+    keeps a running max, a running sum and an unnormalised output.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq, D)
+        Queries. NumPy or CuPy array of float16, bfloat16 (with ``ml_dtypes``), float32 or
+        float64. Any strides, including negative and zero (broadcast) ones.
+    k : array, shape (..., Lk, D)
+        Keys, same dtype and library as `q`.
+    v : array, shape (..., Lk, Dv)
+        Values, same dtype and library as `q`. ``Dv`` may differ from ``D``.
+        The leading dimensions of `q`, `k` and `v` broadcast together (NumPy rules) into the
+        batch shape ``S``; grouped-query attention is such a broadcast, e.g. `q` of shape
+        (B, Hkv, G, Lq, D) with `k` and `v` of shape (B, Hkv, 1, Lk, D).
+    scale : float, optional
+        Multiplies ``q @ k.T``. Default ``1 / sqrt(D)``.
+    causal : bool, optional
+        Query ``i`` sees key ``j`` only if ``j <= i + (Lk - Lq)``: the causal diagonal is
+        aligned to the bottom-right corner, so the last query sees every key.
+    window : (int or None, int or None), optional
+        ``(left, right)``: with ``d = i + (Lk - Lq)``, key ``j`` is visible only if
+        ``d - left <= j <= d + right``; ``None`` leaves a side unbounded. Combines with
+        `causal` by intersection.
+    bias : array, optional
+        Real floating array broadcastable to ``S + (Lq, Lk)``, added to the scores. It is read
+        through its broadcast strides, never expanded to the full shape.
+    mask : bool array, optional
+        Broadcastable to ``S + (Lq, Lk)``; ``True`` means the query may attend to the key.
+    kv_lengths : int array, optional
+        Broadcastable to ``S``: keys ``j >= kv_lengths`` are padding and are never read, so
+        they may hold anything (NaN included). Values above ``Lk`` mean all keys.
+    alibi_slopes : array, optional
+        Real floating array broadcastable to ``S``: adds ``-slope * |i + (Lk - Lq) - j|`` to
+        the scores.
+    softcap : float, optional
+        ``c > 0``: scores become ``c * tanh(s / c)`` before `bias` and ALiBi are added.
+    return_lse : bool, optional
+        Also return the log-sum-exp of the visible scores of each query.
+    backend : {"auto", "numpy", "cupy", "emulate"}, optional
+        ``"auto"`` picks the engine of the array library of the inputs: NumPy arrays run on
+        the NumPy engine, CuPy arrays on the CUDA engine. ``"emulate"`` runs the CUDA kernels
+        on the CPU with NumPy arrays (needs a C++20 compiler; meant for testing).
+
+    Returns
+    -------
+    out : array, shape S + (Lq, Dv)
+        Same dtype and library as `q`.
+    lse : array, shape S + (Lq,)
+        Only when `return_lse`: ``log(sum_j exp(s_ij))`` over the visible keys; float64 for
+        float64 inputs, float32 otherwise. ``-inf`` for a query that sees no key.
+
+    Raises
+    ------
+    TypeError
+        Non-floating or mismatched dtypes, a non-boolean `mask`, arrays from different
+        libraries, or a `backend` that does not take the inputs' library.
+    ValueError
+        Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
+        `scale` or `softcap` that is not finite (or ``softcap <= 0``), an unknown `backend`.
+
+    See Also
+    --------
+    merge : combine results computed on disjoint sets of keys.
+
+    Notes
+    -----
+    With scores :math:`s_{ij} = \mathrm{scale}\, q_i \cdot k_j` (then softcap, bias, ALiBi and
+    masking), the result is :math:`o_i = \sum_j p_{ij} v_j` with
+    :math:`p_{ij} = e^{s_{ij}} / \sum_{j'} e^{s_{ij'}}`. Keys are visited in tiles; each
+    query keeps :math:`m` (the running max), :math:`l = \sum e^{s - m}` and the unnormalised
+    :math:`O = \sum e^{s - m} v`, and on each tile with new max :math:`m'` rescales
+    :math:`l` and :math:`O` by :math:`e^{m - m'}` [1]_ [2]_. Scores are exponentiated in
+    base 2 with :math:`\log_2 e` folded into the scale. Accumulation is in float64 for
+    float64 inputs and in float32 otherwise. A query that sees no key gets output 0 and
+    ``lse = -inf``, without a warning.
+
+    References
+    ----------
+    .. [1] M. Milakov and N. Gimelshein, "Online normalizer calculation for softmax",
+       arXiv:1805.02867, 2018.
+    .. [2] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+       Partitioning", arXiv:2307.08691, 2023.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 100, 32), dtype=np.float32)   # (batch, heads, Lq, D)
+    >>> k = rng.standard_normal((2, 4, 120, 32), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 4, 120, 16), dtype=np.float32)   # Dv != D
+    >>> out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 4, 100, 16), (2, 4, 100))
+    """
+    problem = _validate.validate_attention(
+        q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
+        kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
+        return_lse=return_lse, backend=backend,
+    )
+    engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
+    out, lse = engine.attention(problem)
+    return (out, lse) if return_lse else out
+
+
+def merge(*states):
+    r"""Combine attention results computed on disjoint sets of keys.
+
+    Parameters
+    ----------
+    *states : (out, lse) pairs
+        Each ``out`` of shape (..., Lq, Dv) and ``lse`` of shape (..., Lq), as returned by
+        ``attention(..., return_lse=True)`` for the same queries over a part of the keys. All
+        pairs share one shape, dtype and array library.
+
+    Returns
+    -------
+    out, lse : arrays
+        The result of attention over the union of the keys.
+
+    Notes
+    -----
+    With :math:`M = \max_i L_i` and :math:`w_i = e^{L_i - M}`:
+    :math:`L = M + \log \sum_i w_i` and :math:`o = \sum_i w_i o_i / \sum_i w_i`.
+    A state with :math:`L = -\infty` (no visible key) has weight 0 whatever its ``out``; if
+    no state sees a key, ``out`` is 0 and ``lse`` is ``-inf``. The merge is associative and
+    independent of order, so keys may be split across chunks, devices or Dask tasks.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v = (rng.standard_normal((3, 50, 8)) for _ in range(3))
+    >>> a = cuonline.attention(q, k[:, :20], v[:, :20], return_lse=True)
+    >>> b = cuonline.attention(q, k[:, 20:], v[:, 20:], return_lse=True)
+    >>> out, lse = cuonline.merge(a, b)
+    >>> bool(np.allclose(out, cuonline.attention(q, k, v)))
+    True
+    """
+    if not states:
+        raise ValueError("`merge` needs at least one (out, lse) state, got none")
+    outs, lses = [], []
+    for n, state in enumerate(states):
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError(
+                f"state {n} must be an (out, lse) pair, got {type(state).__name__}"
+            )
+        outs.append(state[0])
+        lses.append(state[1])
+    xp = _validate.array_namespace(**{f"states[{n}]": o for n, o in enumerate(outs + lses)})
+    outs = [xp.asarray(o) for o in outs]
+    lses = [xp.asarray(s) for s in lses]
+    for n, (o, s) in enumerate(zip(outs, lses)):
+        if o.ndim < 1 or o.shape[:-1] != s.shape:
+            raise ValueError(
+                f"state {n}: `out` must have shape lse.shape + (Dv,), got out {o.shape} "
+                f"and lse {s.shape}"
+            )
+        if o.shape != outs[0].shape:
+            raise ValueError(
+                f"state {n}: `out` has shape {o.shape} but state 0 has {outs[0].shape}"
+            )
+    return _merge.merge_states(xp, outs, lses)
+
+
+def softmax(x, axis=-1, *, mask=None, backend="auto"):
+    r"""Softmax along `axis`, stable for any finite magnitude.
+
+    Parameters
+    ----------
+    x : array
+        Real floating NumPy or CuPy array.
+    axis : int, optional
+        The axis to normalise over. Default: the last.
+    mask : bool array, optional
+        Broadcastable to ``x.shape``; ``False`` entries are left out (weight 0).
+    backend : {"auto", "numpy", "cupy"}, optional
+        As in :func:`attention`.
+
+    Returns
+    -------
+    array
+        Same shape, dtype and library as `x`. A slice with no visible entry (all masked or all
+        ``-inf``) gives zeros, without a warning.
+
+    Notes
+    -----
+    :math:`\mathrm{softmax}(x)_j = e^{x_j - m} / \sum_{j'} e^{x_{j'} - m}` with
+    :math:`m = \max_j x_j`, computed in float32 for 16-bit inputs.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> cuonline.softmax(np.array([1000.0, 1000.0, -np.inf]))
+    array([0.5, 0.5, 0. ])
+    """
+    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
+    return _softmax.softmax(xp, x, axis, mask)
+
+
+def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
+    r"""Logarithm of :func:`softmax` along `axis`, computed without forming the softmax.
+
+    Parameters and return value as :func:`softmax`; a slice with no visible entry gives
+    ``-inf`` everywhere.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> cuonline.log_softmax(np.array([0.0, 0.0]))
+    array([-0.69314718, -0.69314718])
+    """
+    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
+    return _softmax.log_softmax(xp, x, axis, mask)
+
+
+def logsumexp(x, axis=-1, *, mask=None, keepdims=False, backend="auto"):
+    r"""``log(sum(exp(x)))`` along `axis`, stable for any finite magnitude.
+
+    Parameters
+    ----------
+    x, axis, mask, backend
+        As in :func:`softmax`.
+    keepdims : bool, optional
+        Keep the reduced axis with length 1.
+
+    Returns
+    -------
+    array
+        The dtype of `x`; ``-inf`` for a slice with no visible entry, without a warning.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> float(cuonline.logsumexp(np.array([2.0, 4.0, 1.0, 3.0])))  # doctest: +ELLIPSIS
+    4.44018...
+    """
+    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
+    keepdims = _validate._check_bool(keepdims, "keepdims")
+    return _softmax.logsumexp(xp, x, axis, mask, keepdims)
+
+
+def _axis_call(x, axis, mask, backend):
+    xp, backend, x, axis, mask = _validate.validate_axis_input(x, axis, mask, backend)
+    if backend == "emulate":
+        raise ValueError(
+            "backend='emulate' is not available for the softmax family yet (it has no CUDA "
+            "kernel to emulate); use backend='auto'"
+        )
+    return xp, backend, x, axis, mask

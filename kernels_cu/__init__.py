@@ -1,0 +1,1 @@
+"""CUDA C sources of cuonline, shipped as package data and compiled at run time."""

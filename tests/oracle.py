@@ -1,0 +1,79 @@
+"""A float64 reference for attention, written independently of every engine.
+
+It materialises the full score matrix with plain NumPy, applies each option literally from its
+definition in the docs (no online softmax, no tiling, no shared helper from cuonline) and is
+meant for small shapes only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=None,
+                        mask=None, kv_lengths=None, alibi_slopes=None, softcap=None):
+    """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs."""
+    q, k, v = (_f64(x) for x in (q, k, v))
+    lq, d = q.shape[-2:]
+    lk = k.shape[-2]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if scale is None:
+        scale = 1.0 / np.sqrt(max(d, 1))
+
+    s = scale * np.einsum("...id,...jd->...ij", q, k)
+    s = np.broadcast_to(s, batch + (lq, lk)).copy()
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if bias is not None:
+        s = s + _f64(bias)
+
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    diag = i + (lk - lq)          # the key aligned with query i (bottom-right)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(_f64(alibi_slopes), batch)[..., None, None]
+        s = s - slopes * np.abs(diag - j)
+
+    visible = np.ones(batch + (lq, lk), dtype=bool)
+    if causal:
+        visible &= j <= diag
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible &= j >= diag - left
+        if right is not None:
+            visible &= j <= diag + right
+    if mask is not None:
+        visible &= _np(mask)
+    if kv_lengths is not None:
+        lengths = np.broadcast_to(_np(kv_lengths), batch)[..., None, None]
+        visible &= j < lengths
+
+    out = np.zeros(batch + (lq, v.shape[-1]))
+    lse = np.full(batch + (lq,), -np.inf)
+    vv = np.broadcast_to(v, batch + v.shape[-2:])
+    for idx in np.ndindex(*batch, lq):
+        row_visible = visible[idx]
+        if not row_visible.any():
+            continue
+        row = s[idx][row_visible]
+        m = row.max()
+        if np.isnan(m) or np.isnan(row).any():
+            out[idx] = np.nan
+            lse[idx] = np.nan
+            continue
+        w = np.exp(row - m)
+        total = w.sum()
+        lse[idx] = m + np.log(total)
+        out[idx] = (w / total) @ vv[idx[:-1]][row_visible]
+    return out, lse
+
+
+def _np(x):
+    if type(x).__module__.split(".")[0] == "cupy":
+        return x.get()
+    return np.asarray(x)
+
+
+def _f64(x):
+    return _np(x).astype(np.float64)
