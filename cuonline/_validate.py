@@ -273,7 +273,7 @@ def validate_attention(
             raise ValueError(
                 f"`kv_lengths` must be >= 0, got minimum {int(kv_lengths.min())}"
             )
-        kv_lengths = xp.ascontiguousarray(xp.minimum(kv_lengths, lk).astype(np.int64))
+        kv_lengths = xp.minimum(kv_lengths, lk).astype(np.int64, order="C")
     if alibi_slopes is not None:
         alibi_slopes = _as_array(xp, alibi_slopes, "alibi_slopes")
         if not _is_float_dtype(alibi_slopes.dtype):
@@ -281,7 +281,7 @@ def validate_attention(
                 f"`alibi_slopes` must have a real floating dtype, got {alibi_slopes.dtype}"
             )
         alibi_slopes = _broadcast_to(xp, alibi_slopes, batch, "alibi_slopes", "the batch shape S")
-        alibi_slopes = xp.ascontiguousarray(alibi_slopes.astype(acc))
+        alibi_slopes = alibi_slopes.astype(acc, order="C")
 
     return Problem(
         xp=xp, backend=backend, batch_shape=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
