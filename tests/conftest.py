@@ -45,6 +45,7 @@ def rng():
 def emulation_available() -> str | None:
     """None when the emulation backend can run here, else the reason it cannot."""
     try:
+        import cuonline.engines.cuda  # noqa: F401 - the engine that drives the emulation
         from cuonline.testing import emulate
     except ImportError as exc:
         return f"the emulation backend is not importable: {exc}"
