@@ -1,0 +1,177 @@
+"""Command line: ``python -m cuonline {demo, info, kernels}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+
+import cuonline
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuonline", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="genomics-flavoured attention on the best engine here")
+    demo.add_argument("--length", type=int, default=2048, help="sequence length (default 2048)")
+    demo.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    demo.add_argument("--seed", type=int, default=0)
+    commands.add_parser("info", help="versions and the engines available here")
+    kernels = commands.add_parser("kernels", help="NVRTC listing of every CUDA specialisation")
+    kernels.add_argument("--arch", default="sm_90", help="target, e.g. sm_80 or sm_90")
+    kernels.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    return {"demo": run_demo, "info": run_info, "kernels": run_kernels}[args.command](args)
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+
+
+def run_demo(args) -> int:
+    """Random DNA -> one-hot -> embeddings -> causal attention with a relative-position bias."""
+    xp, engine = _best_engine()
+    rng = np.random.default_rng(args.seed)
+    length, heads, d = args.length, args.heads, 64
+
+    sequence = rng.choice(np.array(list("ACGT")), size=length)
+    one_hot = (sequence[:, None] == np.array(list("ACGT"))[None, :]).astype(np.float32)
+    # embed each base with its neighbours (a width-9 convolution as one matmul), then project
+    # to queries, keys and values per head
+    window = np.lib.stride_tricks.sliding_window_view(np.pad(one_hot, ((4, 4), (0, 0))),
+                                                      9, axis=0).reshape(length, -1)
+    embed = np.tanh(window @ rng.standard_normal((window.shape[1], 128), dtype=np.float32) / 6)
+    proj = rng.standard_normal((3, heads, 128, d), dtype=np.float32) / 128**0.5
+    q, k, v = (np.einsum("lc,hcd->hld", embed, w) for w in proj)
+    # relative-position bias b(i - j), decaying with distance: an (L, L) Toeplitz *view* of
+    # one vector of length 2L - 1 (negative stride, no copy)
+    offsets = np.arange(-(length - 1), length, dtype=np.float32)
+    table = -np.log1p(np.abs(offsets)) / 2
+    bias = np.lib.stride_tricks.sliding_window_view(table, length)[:, ::-1]
+
+    q_x, k_x, v_x, bias_x = (xp.asarray(a) for a in (q, k, v, bias))
+    cuonline.attention(q_x, k_x, v_x, causal=True, bias=bias_x)      # warm-up (compiles)
+    start = time.perf_counter()
+    out = cuonline.attention(q_x, k_x, v_x, causal=True, bias=bias_x)
+    _synchronize(xp)
+    seconds = time.perf_counter() - start
+    out = out.get() if hasattr(out, "get") else out
+
+    error = max(np.abs(out[h].astype(np.float64) - _reference(q[h], k[h], v[h], bias)).max()
+                for h in range(heads))
+    flops = 4 * heads * length * length * d / 2
+    print(f"engine      : {engine}")
+    print(f"input       : {length} bases of random DNA, one-hot -> {heads} heads x D={d}")
+    print(f"shapes      : q, k, v {q.shape} float32; bias {bias.shape} (Toeplitz view, "
+          f"strides {bias.strides})")
+    print(f"options     : causal=True, relative-position bias")
+    print(f"output      : {out.shape} {out.dtype}")
+    print(f"time        : {seconds * 1e3:.1f} ms ({flops / seconds / 1e9:.1f} GFLOP/s)")
+    print(f"max |error| : {error:.2e} against a float64 reference")
+    return 0 if error < 1e-4 else 1
+
+
+def _reference(q, k, v, bias):
+    """Materialised float64 causal attention for one head."""
+    s = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[-1]) + bias
+    s[np.triu_indices_from(s, 1)] = -np.inf
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v
+
+
+def _best_engine():
+    gpu = _gpu()
+    if gpu is not None:
+        import cupy
+
+        return cupy, f"cupy (CUDA kernels on {gpu})"
+    from .engines.numpy import workers
+
+    return np, f"numpy (tiled online softmax, {workers()} threads)"
+
+
+def _synchronize(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def _gpu():
+    """Name of the current CUDA device, or None when CuPy has no usable GPU."""
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        return props["name"].decode()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device all mean "no GPU"
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# info
+
+
+def run_info(args) -> int:
+    import scipy
+
+    lines = {
+        "cuonline": cuonline.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+    }
+    try:
+        import cupy
+
+        lines["cupy"] = cupy.__version__
+    except ImportError:
+        lines["cupy"] = "not installed"
+    from .engines.numpy import workers
+
+    engines = [f"numpy ({workers()} threads)"]
+    gpu = _gpu()
+    engines.append(f"cupy ({gpu})" if gpu else "cupy: unavailable (no CuPy or no GPU)")
+    engines.append("emulate: " + (_emulation_status() or "available"))
+    for name, value in lines.items():
+        print(f"{name:9s}: {value}")
+    print("engines  :")
+    for engine in engines:
+        print(f"  {engine}")
+    return 0
+
+
+def _emulation_status():
+    try:
+        from .testing import emulate
+    except ImportError as exc:
+        return f"unavailable ({exc})"
+    problem = getattr(emulate, "compiler_problem", lambda: None)()
+    return None if problem is None else f"unavailable ({problem})"
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def run_kernels(args) -> int:
+    from .kernels import nvrtc
+
+    rows = nvrtc.listing(args.arch)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    columns = ["key", "registers", "spill_stores", "spill_loads", "stack_bytes",
+               "shared_bytes", "seconds"]
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""What users install: the wheel's contents, the import, the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, **kwargs):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True,
+                          **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    pytest.importorskip("setuptools")
+    pytest.importorskip("wheel")
+    out = tmp_path_factory.mktemp("wheel")
+    run("-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+        "-w", str(out), cwd=out)
+    (path,) = out.glob("cuonline-*.whl")
+    return path
+
+
+def test_wheel_ships_kernel_sources_and_emulation_header(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
+    for name in sources:
+        assert f"cuonline/kernels_cu/{name}" in names, name
+    assert "cuonline/testing/cuda_cpu.h" in names
+    assert "cuonline/engines/numpy.py" in names and "cuonline/__main__.py" in names
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+
+
+def test_import_loads_no_cupy_and_compiles_nothing():
+    code = ("import sys, cuonline; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')"
+            " or m.startswith('cuonline.engines.cuda') or m.startswith('cuonline.testing')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    run("-c", code, cwd=ROOT)
+
+
+def test_info_lists_engines():
+    out = run("-m", "cuonline", "info", cwd=ROOT).stdout
+    assert "numpy" in out and "engines" in out and "emulate" in out
+
+
+def test_demo_runs_and_reports_a_small_error():
+    out = run("-m", "cuonline", "demo", "--length", "300", "--heads", "2", cwd=ROOT).stdout
+    assert "engine" in out and "(2, 300, 64) float32" in out
+    error = float(out.split("max |error| :")[1].split()[0])
+    assert error < 1e-5
