@@ -1,0 +1,137 @@
+"""Launch planning for the SIMT attention kernels: pure functions, testable without a GPU.
+
+Every choice has its reason next to it. The numbers are starting points for an H100/H200-class
+GPU (132 SMs, 228 KiB shared memory per SM, 64 K registers per SM); ``python -m cuonline kernels``
+shows the registers and shared memory that each resulting variant really uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .specs import KernelSpec
+
+__all__ = ["Plan", "choose_splits", "choose_tiles", "plan_attention"]
+
+DEFAULT_NUM_SMS = 132
+WARPS = 4
+#: Shared memory that needs no opt-in; above it the launch sets max_dynamic_shared_size_bytes.
+SMEM_NO_OPT_IN = 48 * 1024
+#: Keep one block under this so that at least two blocks fit an sm_80 SM (164 KiB).
+SMEM_MAX = 80 * 1024
+#: Accumulator registers per thread (rows x output columns per lane x words per element).
+ACC_REGISTER_BUDGET = 32
+#: A key split below this many keys costs more in the combine than it gains in parallelism.
+MIN_SPLIT_KEYS = 128
+MAX_SPLITS = 256
+#: Grid x (query tiles x batch) must stay below the CUDA limit.
+MAX_GRID_X = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A launch: the kernel variant and its grid."""
+
+    spec: KernelSpec
+    n_qtiles: int
+    n_splits: int
+    split_keys: int          # keys per split (a multiple of block_n); lk when not split
+    grid: tuple
+    block: tuple
+    shared_bytes: int
+
+
+def _shared_bytes(block_m, block_n, d, dv, acc_bytes):
+    return (block_m * d + block_n * (max(d, dv) + 1)) * acc_bytes
+
+
+def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS):
+    """Return ``(warps, rows_per_warp, keys_per_lane)`` for one problem shape."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name  # "bfloat16" w/o ml_dtypes
+    acc_bytes = 8 if name == "float64" else 4
+    words = acc_bytes // 4
+    cols = math.ceil(dv / 32)
+    warps = WARPS
+
+    # Rows per warp: each row costs `cols` accumulators per lane; more rows reuse each K/V
+    # element read from shared memory for more FMAs, so take as many as the register budget
+    # allows (8 at most: the score registers grow with rows too).
+    # Doubles: 4 at most; at 8 rows (d <= 64) sm_80's ptxas held 128 registers and spilled.
+    rows = 8 if words == 1 else 4
+    while rows > 1 and rows * cols * words > ACC_REGISTER_BUDGET:
+        rows //= 2
+
+    if lq <= 16:
+        # Decoding/scoring: few query rows. Give each warp at most a quarter of them and use
+        # only as many warps as there are rows to own; the key split fills the GPU instead.
+        lq = max(lq, 1)
+        rows = min(rows, 2 ** math.ceil(math.log2(math.ceil(lq / WARPS))))
+        warps = math.ceil(lq / rows)
+    else:
+        # Enough query tiles to give every SM two blocks: shrink the tile rather than idle SMs
+        # (rows >= 2 keeps some reuse of the staged K/V tile).
+        while rows > 2 and nbatch * math.ceil(lq / (warps * rows)) < 2 * num_sms:
+            rows //= 2
+
+    # Keys per lane: 64-key tiles halve the barriers per key and amortise the q broadcast;
+    # use them while the block stays within the no-opt-in shared budget and the scores stay
+    # within 16 registers (double scores take two; sm_80's ptxas spilled f64 8x2 at d=32).
+    keys = 2
+    if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes) > SMEM_NO_OPT_IN
+            or rows * 2 * words > 16):
+        keys = 1
+    # Large heads in double: shrink the query tile until the block fits next to another one.
+    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes) > SMEM_MAX:
+        rows //= 2
+    return warps, rows, keys
+
+
+def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
+    """Return ``(n_splits, split_keys)``: split the keys when the grid cannot fill the GPU."""
+    if n_blocks >= num_sms or lk < 2 * MIN_SPLIT_KEYS:
+        # Already one block per SM, or too few keys for a split to pay for its combine pass.
+        return 1, lk
+    want = math.ceil(2 * num_sms / n_blocks)  # two blocks per SM hides the load latency
+    n_splits = min(want, math.ceil(lk / MIN_SPLIT_KEYS), MAX_SPLITS)
+    if n_splits < 2:
+        return 1, lk
+    split_keys = math.ceil(math.ceil(lk / n_splits) / block_n) * block_n
+    return math.ceil(lk / split_keys), split_keys
+
+
+def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None):
+    """Plan the launch of :class:`cuonline._validate.Problem` ``problem``.
+
+    ``n_splits`` forces a number of key splits (tests); None lets :func:`choose_splits` decide.
+    """
+    dtype = np.dtype(problem.dtype)
+    warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
+                                     problem.nbatch, num_sms)
+    block_m, block_n = warps * rows, 32 * keys
+    n_qtiles = math.ceil(problem.lq / block_m)
+    if n_splits is None:
+        n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
+                                             num_sms)
+    else:
+        split_keys = math.ceil(math.ceil(problem.lk / max(n_splits, 1)) / block_n) * block_n
+        n_splits = max(1, math.ceil(problem.lk / split_keys))
+    grid_x = problem.nbatch * n_qtiles
+    if grid_x > MAX_GRID_X:
+        raise ValueError(
+            f"batch x query tiles = {grid_x} exceeds the CUDA grid limit {MAX_GRID_X}; "
+            f"split the batch into chunks"
+        )
+    spec = KernelSpec(
+        dtype=dtype.name, acc=np.dtype(problem.acc_dtype).name, d=problem.d, dv=problem.dv,
+        warps=warps, rows_per_warp=rows, keys_per_lane=keys,
+        window=problem.has_window, bias=problem.bias is not None,
+        mask=problem.mask is not None, kv_lengths=problem.kv_lengths is not None,
+        alibi=problem.alibi_slopes is not None, softcap=problem.softcap is not None,
+        return_lse=problem.return_lse, split=n_splits > 1,
+    )
+    return Plan(spec=spec, n_qtiles=n_qtiles, n_splits=n_splits, split_keys=split_keys,
+                grid=(grid_x, 1, n_splits), block=(spec.threads, 1, 1),
+                shared_bytes=spec.shared_bytes)

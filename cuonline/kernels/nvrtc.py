@@ -1,0 +1,279 @@
+"""Compile kernel variants with NVRTC on a machine without a GPU, and report what ptxas saw.
+
+Used by ``python -m cuonline kernels`` (:func:`listing`) and by the compile tests. It needs only
+the NVRTC library (``pip install "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*"`` plus
+either ``cupy-cuda13x`` or ``cuda-bindings``); no driver, no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import source
+from .heuristics import choose_tiles
+from .specs import KernelSpec
+
+__all__ = ["CompileReport", "NvrtcUnavailable", "compile_source", "compile_spec",
+           "cuda_include_dir", "listing", "listing_specs", "nvrtc_available"]
+
+DEFAULT_ARCHS = ("sm_80", "sm_90")
+
+
+class NvrtcUnavailable(RuntimeError):
+    """NVRTC (or the CUDA headers) is not installed."""
+
+
+@dataclass(frozen=True)
+class KernelUsage:
+    """ptxas's resource report for one entry point."""
+
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    shared_bytes: int
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """Result of compiling one variant for one architecture."""
+
+    key: str
+    arch: str
+    seconds: float
+    kernels: tuple          # KernelUsage per entry point
+    log: str
+
+    @property
+    def registers(self) -> int:
+        return max(k.registers for k in self.kernels)
+
+    @property
+    def spills(self) -> int:
+        return sum(k.spill_stores + k.spill_loads for k in self.kernels)
+
+    @property
+    def stack_frame(self) -> int:
+        return max(k.stack_frame for k in self.kernels)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("log")
+        out.update(registers=self.registers, spills=self.spills, stack_frame=self.stack_frame)
+        return out
+
+
+def cuda_include_dir() -> str | None:
+    """Directory of cuda_fp16.h etc. from the ``nvidia-cuda-runtime`` wheel (or CUDA_PATH)."""
+    candidates = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            candidates.append(Path(entry) / sub)
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for path in candidates:
+        if (path / "cuda_fp16.h").is_file():
+            return str(path)
+    return None
+
+
+class _Backend:
+    """The two NVRTC bindings that work without a driver, behind one small interface."""
+
+    def __init__(self):
+        self.kind = None
+        try:
+            from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+            nvrtc.getVersion()
+            self.kind, self.lib = "cupy", nvrtc
+            return
+        except Exception:  # noqa: BLE001 - try the next binding
+            pass
+        try:
+            from cuda.bindings import nvrtc  # noqa: PLC0415
+
+            err, *_ = nvrtc.nvrtcVersion()
+            if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                self.kind, self.lib = "cuda-bindings", nvrtc
+        except Exception:  # noqa: BLE001
+            pass
+
+    def compile(self, text, name, options):
+        """Return ``(ok, log, cubin)``."""
+        if self.kind == "cupy":
+            lib = self.lib
+            prog = lib.createProgram(text, name, (), ())
+            try:
+                try:
+                    lib.compileProgram(prog, list(options))
+                    ok = True
+                except lib.NVRTCError:
+                    ok = False
+                log = lib.getProgramLog(prog)
+                return ok, log, lib.getCUBIN(prog) if ok else b""
+            finally:
+                lib.destroyProgram(prog)
+        lib = self.lib
+        ok_code = lib.nvrtcResult.NVRTC_SUCCESS
+        err, prog = lib.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
+        if err != ok_code:
+            raise RuntimeError(f"nvrtcCreateProgram failed: {err}")
+        try:
+            opts = [o.encode() for o in options]
+            (err,) = lib.nvrtcCompileProgram(prog, len(opts), opts)
+            _, size = lib.nvrtcGetProgramLogSize(prog)
+            buf = b" " * size
+            lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.rstrip(b"\x00 ").decode(errors="replace")
+            cubin = b""
+            if err == ok_code:
+                _, size = lib.nvrtcGetCUBINSize(prog)
+                cubin = b" " * size
+                lib.nvrtcGetCUBIN(prog, cubin)
+            return err == ok_code, log, cubin
+        finally:
+            lib.nvrtcDestroyProgram(prog)
+
+
+_BACKEND = None
+
+
+def _backend() -> _Backend:
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = _Backend()
+    if _BACKEND.kind is None:
+        raise NvrtcUnavailable(
+            "NVRTC is not available: install it with "
+            "pip install cupy-cuda13x \"nvidia-cuda-nvrtc==13.*\" \"nvidia-cuda-runtime==13.*\" "
+            "(or the cuda-bindings package)"
+        )
+    return _BACKEND
+
+
+def nvrtc_available() -> bool:
+    try:
+        _backend()
+    except NvrtcUnavailable:
+        return False
+    return cuda_include_dir() is not None
+
+
+def compile_options(arch: str, *, verbose: bool = True) -> tuple:
+    """NVRTC options for a real compile: the same ones the CuPy engine passes (plus -v)."""
+    include = cuda_include_dir()
+    if include is None:
+        raise NvrtcUnavailable(
+            "the CUDA headers (cuda_fp16.h) were not found: pip install \"nvidia-cuda-runtime==13.*\""
+        )
+    opts = [f"-arch={arch}", "-std=c++17", f"-I{include}"]
+    if verbose:
+        opts.append("-Xptxas=-v")
+    return tuple(opts)
+
+
+_USAGE_RE = re.compile(r"Compiling entry function '(\w+)'")
+_NUM = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "shared_bytes": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def parse_ptxas_log(log: str) -> tuple:
+    """Split a ``-Xptxas=-v`` log into one :class:`KernelUsage` per entry function."""
+    kernels = []
+    pieces = _USAGE_RE.split(log)
+    # pieces: [preamble, name1, text1, name2, text2, ...]
+    for name, text in zip(pieces[1::2], pieces[2::2]):
+        values = {}
+        for field, pattern in _NUM.items():
+            m = pattern.search(text)
+            values[field] = int(m.group(1)) if m else 0
+        kernels.append(KernelUsage(name=name, **values))
+    return tuple(kernels)
+
+
+def compile_source(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") -> tuple:
+    """Compile ``text`` for ``arch``; return ``(log, seconds)``; raise RuntimeError on errors."""
+    backend = _backend()
+    t0 = time.perf_counter()
+    ok, log, _ = backend.compile(text, name, compile_options(arch))
+    seconds = time.perf_counter() - t0
+    if not ok:
+        raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
+    return log, seconds
+
+
+def compile_spec(spec: KernelSpec, arch: str = "sm_90") -> CompileReport:
+    """Compile one variant and parse ptxas's report."""
+    log, seconds = compile_source(source.build_source(spec), arch, name=f"{spec.key}.cu")
+    return CompileReport(key=spec.key, arch=arch, seconds=round(seconds, 3),
+                         kernels=parse_ptxas_log(log), log=log)
+
+
+def _spec(dtype, d, dv, lq, *, split=False, **flags):
+    acc = "float64" if dtype == "float64" else "float32"
+    warps, rows, keys = choose_tiles(dtype, d, dv, lq, nbatch=32)
+    return KernelSpec(dtype=dtype, acc=acc, d=d, dv=dv, warps=warps, rows_per_warp=rows,
+                      keys_per_lane=keys, split=split, **flags)
+
+
+def listing_specs() -> list:
+    """A representative set of the variants the dispatcher selects.
+
+    Every dtype x D in {32, 64, 128, 256} (long sequences, no options), plus for float32 and
+    float16 at D = 64 and 128: Dv != D, each feature flag alone, causal+everything, and the
+    decoding shape (Lq = 1, split keys). Tile sizes come from the same heuristics as launches.
+    """
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d in (32, 64, 128, 256):
+            specs.append(_spec(dtype, d, d, 4096))
+        specs.append(_spec(dtype, 128, 128, 1, split=True, return_lse=True))
+    for dtype in ("float32", "float16"):
+        for d in (64, 128):
+            specs.append(_spec(dtype, d, 2 * d if d < 256 else d // 2, 4096))
+            for flag in ("window", "bias", "mask", "kv_lengths", "alibi", "softcap",
+                         "return_lse"):
+                specs.append(_spec(dtype, d, d, 4096, **{flag: True}))
+            specs.append(_spec(dtype, d, d, 4096, window=True, bias=True, mask=True,
+                               kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    specs.append(_spec("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
+                       kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    seen, unique = set(), []
+    for s in specs:
+        if s.key not in seen:
+            seen.add(s.key)
+            unique.append(s)
+    return unique
+
+
+def listing(arch: str = "sm_90") -> list:
+    """Compile every listed variant for ``arch``; one dict per variant.
+
+    Keys: ``key``, ``arch``, ``registers``, ``spills`` (bytes stored + loaded), ``stack_frame``,
+    ``shared_bytes`` (dynamic, per block), ``static_shared_bytes`` (ptxas), ``threads``,
+    ``seconds`` (compile time) and ``kernels`` (per entry point usage).
+    """
+    rows = []
+    for spec in listing_specs():
+        report = compile_spec(spec, arch)
+        row = report.as_dict()
+        row["kernels"] = [asdict(k) for k in report.kernels]
+        row["threads"] = spec.threads
+        row["shared_bytes"] = spec.shared_bytes
+        row["static_shared_bytes"] = max((k.shared_bytes for k in report.kernels), default=0)
+        rows.append(row)
+    return rows

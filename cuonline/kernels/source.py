@@ -1,0 +1,46 @@
+"""Kernel source text: ``#define`` lines + ``common.cuh`` + one family's ``.cu`` text.
+
+The CuPy path, the emulation and the NVRTC listing all compile the string returned by
+:func:`build_source`, so they always see the same text. ``common.cuh`` is pasted, not
+``#include``'d: CuPy's on-disk cache key hashes the source string and the options only.
+
+The ``.cu`` files live in the repository's top-level ``kernels_cu/``; the wheel ships them as
+the package data ``cuonline.kernels_cu``. From a source tree (no install) they are read from
+``kernels_cu/`` next to the ``cuonline`` package.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from pathlib import Path
+
+__all__ = ["build_source", "read_kernel_file"]
+
+COMMON_HEADER = "common.cuh"
+
+
+@functools.lru_cache(maxsize=None)
+def read_kernel_file(name: str) -> str:
+    """Return the text of ``kernels_cu/<name>`` (installed package data or source tree)."""
+    try:
+        resource = importlib.resources.files("cuonline.kernels_cu").joinpath(name)
+        if resource.is_file():
+            return resource.read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        pass
+    path = Path(__file__).resolve().parents[2] / "kernels_cu" / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"kernel source {name!r} not found in package data `cuonline.kernels_cu` nor at {path}"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def build_source(spec) -> str:
+    """Full compilable text of ``spec``: its defines, then common.cuh, then ``<family>.cu``."""
+    lines = [f"// cuonline kernel variant {spec.key}"]
+    lines += [f"#define {name} {value}" for name, value in spec.defines().items()]
+    return "\n".join(
+        ["\n".join(lines), read_kernel_file(COMMON_HEADER), read_kernel_file(f"{spec.family}.cu")]
+    )
