@@ -334,7 +334,7 @@ class EmulatedModule:
 
     def get_function(self, name: str) -> "EmulatedKernel":
         if name not in self.names:
-            raise AttributeError(
+            raise ValueError(
                 f"kernel {name!r} is not defined in this module; its extern \"C\" __global__ "
                 f"functions are {list(self.names)}"
             )
@@ -481,8 +481,8 @@ def _dtype_matches(dtype: np.dtype, code: str) -> bool:
         return True
     if code == "h2":
         return dtype == np.float16
-    if code == "b2":
-        return dtype.name == "bfloat16"
+    if code == "b2":  # NumPy has no bfloat16 without ml_dtypes: uint16 arrays carry the bits
+        return dtype.name == "bfloat16" or dtype == np.uint16
     if code[0] in "iu" and code[1] == "1":
         return dtype.itemsize == 1
     expected = np.dtype(f"{code[0]}{code[1:]}")
