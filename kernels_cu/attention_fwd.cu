@@ -294,7 +294,6 @@ cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: 
     }
 }
 
-#if CUONLINE_SPLIT
 // Combine the per-split partial results: one warp per (batch, query) row, lane owns columns
 // lane + 32 c. ws_out: (nsplit, nrows, Dv), ws_lse: (nsplit, nrows) in Acc; out: (nrows, Dv) in T;
 // lse: (nrows,) or null. Same math as cuonline.merge: m = max lse_i, w_i = exp(lse_i - m),
@@ -334,4 +333,3 @@ cuonline_attention_combine(const CUONLINE_ACC* __restrict__ ws_out,
     }
     if (lse != nullptr && lane == 0) lse[row] = row_lse;
 }
-#endif

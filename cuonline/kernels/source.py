@@ -37,10 +37,14 @@ def read_kernel_file(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def build_source(spec) -> str:
-    """Full compilable text of ``spec``: its defines, then common.cuh, then ``<family>.cu``."""
+def build_source(spec, *, family_text: str | None = None) -> str:
+    """Full compilable text of ``spec``: its defines, then common.cuh, then ``<family>.cu``.
+
+    ``family_text`` replaces the family's ``.cu`` text (tests compile deliberately broken
+    copies through the same path).
+    """
     lines = [f"// cuonline kernel variant {spec.key}"]
     lines += [f"#define {name} {value}" for name, value in spec.defines().items()]
-    return "\n".join(
-        ["\n".join(lines), read_kernel_file(COMMON_HEADER), read_kernel_file(f"{spec.family}.cu")]
-    )
+    if family_text is None:
+        family_text = read_kernel_file(f"{spec.family}.cu")
+    return "\n".join(["\n".join(lines), read_kernel_file(COMMON_HEADER), family_text])

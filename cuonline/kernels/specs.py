@@ -140,7 +140,7 @@ class KernelSpec:
 
     def entries(self) -> tuple:
         """Kernel symbols this variant defines."""
-        return (self.entry, self.combine_entry) if self.split else (self.entry,)
+        return (self.entry, self.combine_entry)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

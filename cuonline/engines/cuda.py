@@ -1,0 +1,204 @@
+"""The CUDA engine: our kernels on CuPy arrays (``backend="cupy"``) or emulated on the CPU with
+NumPy arrays (``backend="emulate"``).
+
+One code path for both: plan (pure heuristics) -> :class:`~cuonline.kernels.specs.KernelSpec`
+-> source text -> module -> typed arguments -> launch. Only the module differs: a
+``cupy.RawModule`` compiled by NVRTC (memoized per device and spec; no ``name_expressions`` so
+CuPy's on-disk cache applies) or :func:`cuonline.testing.emulate.compile_module` of the very
+same text. CuPy is imported lazily: ``import cuonline`` never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from ..kernels import heuristics, source
+from ..kernels.specs import MAX_HEAD_DIM
+
+__all__ = ["attention"]
+
+#: Window sides at or beyond this are "unbounded" for the kernel (64-bit arithmetic, no overflow).
+UNBOUNDED = 1 << 60
+#: Operand order of the kernel's ``offsets`` (nbatch, 5) and ``strides`` (5, 2) arrays.
+OPERANDS = ("q", "k", "v", "bias", "mask")
+COMBINE_WARPS = 4  # kCombineWarps in attention_fwd.cu
+
+_modules = {}
+_modules_lock = threading.Lock()
+
+
+def attention(problem, *, num_sms=None, n_splits=None, kernel_text=None, emulate_options=None):
+    """Run :class:`cuonline._validate.Problem` ``problem``; return ``(out, lse or None)``.
+
+    ``out`` has the dtype of the inputs and shape ``batch_shape + (lq, dv)``; ``lse`` the
+    accumulation dtype and shape ``batch_shape + (lq,)``. The keyword arguments are seams for
+    tests: ``num_sms`` and ``n_splits`` steer the planner, ``kernel_text`` replaces the text of
+    ``attention_fwd.cu`` (deliberately broken copies), ``emulate_options`` are passed to
+    :func:`cuonline.testing.emulate.compile_module` (``mode``, ``tsan``).
+    """
+    p = problem
+    if p.backend not in ("cupy", "emulate"):
+        raise ValueError(f"the CUDA engine runs backend 'cupy' or 'emulate', got {p.backend!r}")
+    xp = p.xp
+    out_shape = p.batch_shape + (p.lq, p.dv)
+    lse_shape = p.batch_shape + (p.lq,)
+    if p.nbatch == 0 or p.lq == 0 or p.lk == 0 or p.dv == 0:
+        # Nothing to launch: no keys means every row is fully masked (out 0, lse -inf).
+        out = xp.zeros(out_shape, dtype=p.dtype)
+        lse = xp.full(lse_shape, -np.inf, dtype=p.acc_dtype)
+        return out, (lse if p.return_lse else None)
+    if max(p.d, p.dv) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"the CUDA engine supports head dimensions up to {MAX_HEAD_DIM}, got D = {p.d}, "
+            f"Dv = {p.dv}; use backend='numpy' or split the head dimension"
+        )
+    if max(p.lq, p.lk) >= 2**31:
+        raise ValueError(f"Lq and Lk must be below 2**31, got Lq = {p.lq}, Lk = {p.lk}")
+
+    if num_sms is None:
+        num_sms = _num_sms() if p.backend == "cupy" else heuristics.DEFAULT_NUM_SMS
+    plan = heuristics.plan_attention(p, num_sms=num_sms, n_splits=n_splits)
+    module = _module(plan.spec, p.backend, kernel_text, emulate_options)
+    return _launch(p, plan, module)
+
+
+# --------------------------------------------------------------------------------------------
+# modules
+
+
+def _module(spec, backend, kernel_text, emulate_options):
+    text = source.build_source(spec, family_text=kernel_text)
+    if backend == "emulate":
+        from ..testing import emulate  # noqa: PLC0415 - g++ only when asked for
+
+        return emulate.compile_module(text, **(emulate_options or {}))
+    import cupy  # noqa: PLC0415
+
+    key = (cupy.cuda.Device().id, spec.key, hash(text) if kernel_text is not None else None)
+    with _modules_lock:
+        module = _modules.get(key)
+        if module is None:
+            # Compiled lazily at the first get_function; no name_expressions, so CuPy's on-disk
+            # cache (keyed by the text and options) serves later processes.
+            module = cupy.RawModule(code=text, options=_cupy_options())
+            _modules[key] = module
+    return module
+
+
+def _cupy_options():
+    from ..kernels.nvrtc import cuda_include_dir  # noqa: PLC0415
+
+    options = ["-std=c++17"]
+    include = cuda_include_dir()
+    if include is not None:
+        options.append(f"-I{include}")
+    return tuple(options)
+
+
+def _num_sms():
+    import cupy  # noqa: PLC0415
+
+    device = cupy.cuda.Device()
+    return int(device.attributes["MultiProcessorCount"])
+
+
+# --------------------------------------------------------------------------------------------
+# arguments and launch
+
+
+def _element_offsets(x, batch_shape):
+    """(nbatch,) int64 element offset of each batch element of view ``x``, and whether usable.
+
+    ``x`` is a view broadcast to ``batch_shape + (rows, cols)``: its byte strides (zero where
+    broadcast, negative for reversed views) turn into element offsets from its first element.
+    """
+    itemsize = x.dtype.itemsize
+    strides = x.strides
+    if any(s % itemsize for s in strides):
+        return None
+    offsets = np.zeros(batch_shape, dtype=np.int64)
+    for axis, (n, stride) in enumerate(zip(batch_shape, strides)):
+        shape = [1] * len(batch_shape)
+        shape[axis] = n
+        offsets = offsets + (np.arange(n, dtype=np.int64) * (stride // itemsize)).reshape(shape)
+    return offsets.reshape(-1)
+
+
+def _operand(xp, x, batch_shape):
+    """Return ``(array, offsets, (row_stride, col_stride))`` for the kernel, copying only
+    when a stride is not a whole number of elements."""
+    offsets = _element_offsets(x, batch_shape)
+    if offsets is None:
+        x = xp.ascontiguousarray(x)
+        offsets = _element_offsets(x, batch_shape)
+    itemsize = x.dtype.itemsize
+    return x, offsets, (x.strides[-2] // itemsize, x.strides[-1] // itemsize)
+
+
+def kernel_arguments(p, plan, out, lse):
+    """The argument tuple of ``cuonline_attention_fwd``, in signature order, explicitly typed.
+
+    ``out``/``lse`` are the final outputs, or the split workspaces when ``plan.n_splits > 1``.
+    """
+    xp = p.xp
+    acc = np.dtype(p.acc_dtype).type
+    nbatch = p.nbatch
+    arrays, offsets, strides = [], [], []
+    for name in OPERANDS:
+        x = getattr(p, name)
+        if x is None:
+            arrays.append(None)
+            offsets.append(np.zeros(nbatch, dtype=np.int64))
+            strides.append((0, 0))
+            continue
+        x, off, st = _operand(xp, x, p.batch_shape)
+        arrays.append(x)
+        offsets.append(off)
+        strides.append(st)
+    offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)  # (nbatch, 5)
+    strides = np.asarray(strides, dtype=np.int64).reshape(len(OPERANDS), 2)   # (5, 2)
+    if xp is not np:
+        offsets, strides = xp.asarray(offsets), xp.asarray(strides)
+    left, right = p.window
+    q, k, v, bias, mask = arrays
+    if mask is not None and xp is np:
+        mask = mask.view(np.uint8)  # the kernel reads bytes (unsigned char*)
+    return (
+        q, k, v, bias, mask, p.kv_lengths, p.alibi_slopes, out, lse, offsets, strides,
+        np.int32(p.lq), np.int32(p.lk),
+        acc(p.scale), acc(p.softcap if p.softcap is not None else 1.0),
+        np.int64(UNBOUNDED if left is None else left),
+        np.int64(UNBOUNDED if right is None else right),
+        np.int64(plan.split_keys),
+    )
+
+
+def _launch(p, plan, module):
+    xp = p.xp
+    spec = plan.spec
+    out_shape = p.batch_shape + (p.lq, p.dv)
+    lse_shape = p.batch_shape + (p.lq,)
+    out = xp.empty(out_shape, dtype=p.dtype)
+    lse = xp.empty(lse_shape, dtype=p.acc_dtype) if p.return_lse else None
+    if plan.n_splits > 1:
+        # Partial, already normalised (out, lse) per split, merged by the combine kernel.
+        ws_out = xp.empty((plan.n_splits, p.nbatch, p.lq, p.dv), dtype=p.acc_dtype)
+        ws_lse = xp.empty((plan.n_splits, p.nbatch, p.lq), dtype=p.acc_dtype)
+        args = kernel_arguments(p, plan, ws_out, ws_lse)
+    else:
+        args = kernel_arguments(p, plan, out, lse)
+
+    fwd = module.get_function(spec.entry)
+    if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
+        fwd.max_dynamic_shared_size_bytes = plan.shared_bytes
+    fwd(plan.grid, plan.block, args, shared_mem=plan.shared_bytes)
+
+    if plan.n_splits > 1:
+        nrows = p.nbatch * p.lq
+        combine = module.get_function(spec.combine_entry)
+        combine((math.ceil(nrows / COMBINE_WARPS), 1, 1), (32 * COMBINE_WARPS, 1, 1),
+                (ws_out, ws_lse, out, lse, np.int64(nrows), np.int32(plan.n_splits)))
+    return out, lse
