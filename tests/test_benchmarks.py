@@ -1,0 +1,37 @@
+"""The benchmark scripts run on a machine like CI's: the CPU one end to end on a tiny case,
+the GPU one's report on made-up measurements (it needs a GPU to measure)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_benchmark_prints_side_by_side_figures():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--lengths", "256",
+         "--heads", "2", "--repeat", "1", "--memory-length", "512"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert "cuonline" in result.stdout and "naive-numpy" in result.stdout
+    assert "memory: N=512" in result.stdout
+
+
+def test_gpu_report_table():
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    case = dict(dtype="float16", d=64, n=4096, bh=16, causal=True)
+    rows = [dict(case, engine="cuonline", ms=2.0, tflops=300.0, max_error=1e-3),
+            dict(case, engine="naive-cupy", ms=9.0, tflops=60.0, max_error=2e-3),
+            dict(case, engine="torch-flash", ms=2.5, tflops=250.0, max_error=1e-3),
+            dict(case, engine="torch-math", error="RuntimeError: refused")]
+    table = gpu_bench.markdown(rows)
+    assert "| float16 | 64 | 4096 | yes | 300.0 | 60.0 | 250.0 | - | 1.20 | 1.0e-03 |" in table
+    assert len(list(gpu_bench.cases(quick=False))) == 36
