@@ -249,6 +249,37 @@ def test_multidimensional_grid_and_block(basic):
     np.testing.assert_array_equal(out[..., 3], gy % 5)
 
 
+@pytest.fixture(scope="module", params=MODES)
+def templates(request):
+    return emulate.compile_module(_source("templates.cu"), mode=request.param)
+
+
+def test_shared_memory_in_templates_and_helpers(templates):
+    x = np.random.default_rng(4).integers(-9, 9, (5, 300)).astype(np.float32)
+    out = np.zeros(5, np.float32)
+    templates.get_function("row_sums_f32_t64")(5, 64, (x, out, np.int32(300)))
+    np.testing.assert_array_equal(out, x.sum(axis=1))
+    xd, od = x.astype(np.float64), np.zeros(5)
+    templates.get_function("row_sums_f64_t128")(5, 128, (xd, od, np.int32(300)))
+    np.testing.assert_array_equal(od, xd.sum(axis=1))
+
+
+def test_poison_reaches_template_and_inline_shared_memory(templates):
+    blocks, threads = 2, 64
+    out, iout = np.zeros(blocks * threads, np.float32), np.zeros(blocks * threads, np.int32)
+    templates.get_function("template_poison")(blocks, threads, (out, iout))
+    even = np.arange(blocks * threads) % 2 == 0
+    assert (out[even] == 1).all() and np.isnan(out[~even]).all()
+    assert (iout[even] == 5).all() and (iout[~even] == -1).all()
+    assert templates.static_shared_bytes >= 64 * 4 * 2
+
+
+def test_extern_shared_is_the_dynamic_buffer(templates):
+    out = np.zeros(32, np.float32)
+    templates.get_function("extern_dynamic")(1, 32, (out,), shared_mem=32 * 4)
+    np.testing.assert_array_equal(out, np.arange(32)[::-1])
+
+
 def test_both_modes_give_identical_results():
     outs = []
     for mode in MODES:

@@ -6,8 +6,8 @@
 // and this header stands in for them.  CUONLINE_EMULATION is defined instead.
 //
 // Execution model (one launch):
-//   * blocks run one after another, so `__shared__` can be a `static` placed in its own linker
-//     section (cuemu_shared); the section and the dynamic shared buffer are filled with 0xFF
+//   * blocks run one after another, so `__shared__` can be `static`; every such variable
+//     registers itself (see SharedVar) and, with the dynamic shared buffer, is filled with 0xFF
 //     before every block, so reads of never-written shared memory give NaN / -1.
 //   * CUEMU_MODE_FIBERS: every CUDA thread of a block is a user-space context on the launching OS
 //     thread; contexts switch only at __syncthreads, __syncwarp, shuffles and votes.  Deadlocks
@@ -62,7 +62,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static __attribute__((section("cuemu_shared")))
+#define __shared__ static
 #define CUONLINE_DYNAMIC_SHARED(type, name) \
     type* const name = reinterpret_cast<type*>(::cuemu::dynamic_shared_base())
 
@@ -106,8 +106,6 @@ namespace cuemu {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr uint64_t kPoison = ~uint64_t(0);
 
-[[noreturn]] inline void fatal(const char* fmt, const char* what);
-
 // One slot of a warp's exchange buffer: the value a lane offers and the warp generation at which
 // it offered it (a stale tag means the lane exited or does not exist).
 struct Slot { uint64_t value; uint64_t tag; };
@@ -117,19 +115,47 @@ inline size_t g_dynamic_shared_bytes = 0;
 inline std::mutex g_launch_mutex;          // one launch at a time per module (static shared)
 inline char g_last_error[2048];
 
-extern "C" char __start_cuemu_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_cuemu_shared[] __attribute__((weak, visibility("hidden")));
-
 inline void* dynamic_shared_base() { return g_dynamic_shared; }
 
+// Static __shared__ variables.  emulate.py appends `static ::cuemu::SharedVar r{&v, sizeof v};`
+// after every `__shared__` declaration of the kernel text, so each variable registers itself
+// (and is poisoned) the first time its declaration runs.  (A linker section would be simpler,
+// but GCC drops the section attribute of statics in templates and rejects it in inline
+// functions.)
+struct SharedRegistry {
+    std::mutex mu;
+    std::vector<std::pair<void*, size_t>> vars;
+    size_t bytes = 0;
+};
+inline SharedRegistry& shared_registry() {
+    static SharedRegistry r;
+    return r;
+}
+struct SharedVar {
+    SharedVar(void* p, size_t n) {
+        SharedRegistry& r = shared_registry();
+        std::lock_guard<std::mutex> lock(r.mu);
+        for (auto& v : r.vars)
+            if (v.first == p) return;
+        r.vars.emplace_back(p, n);
+        r.bytes += n;
+        std::memset(p, 0xFF, n);  // first block: the declaration runs before any use
+    }
+};
+
 inline size_t static_shared_bytes() {
-    if (!__start_cuemu_shared || !__stop_cuemu_shared) return 0;
-    return size_t(__stop_cuemu_shared - __start_cuemu_shared);
+    SharedRegistry& r = shared_registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    return r.bytes;
 }
 
 // Fill all shared memory with 0xFF: never-written floats read as NaN, ints as -1.
 inline void poison_shared() {
-    if (size_t n = static_shared_bytes()) std::memset(__start_cuemu_shared, 0xFF, n);
+    SharedRegistry& r = shared_registry();
+    {
+        std::lock_guard<std::mutex> lock(r.mu);
+        for (auto& v : r.vars) std::memset(v.first, 0xFF, v.second);
+    }
     if (g_dynamic_shared_bytes) std::memset(g_dynamic_shared, 0xFF, g_dynamic_shared_bytes);
 }
 

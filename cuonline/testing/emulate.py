@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: Bumped whenever the generated launcher code changes, to invalidate cached libraries.
-_GLUE_VERSION = "1"
+_GLUE_VERSION = "2"
 
 #: Per-block limits of the target GPUs (sm_80/sm_90); launches beyond them fail on hardware.
 _MAX_THREADS_PER_BLOCK = 1024
@@ -114,6 +114,16 @@ _ENTRY_RE = re.compile(
     r"(?:__launch_bounds__\s*\([^)]*\)\s*)?([A-Za-z_]\w*)\s*\("
 )
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+# Spans where `__shared__` is not a declaration: comments, string/char literals, directives.
+_SKIP_RE = re.compile(
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|^[ \t]*#(?:\\\n|[^\n])*",
+    re.S | re.M,
+)
+_SHARED_RE = re.compile(r"\b__shared__\b")
+_EXTERN_SHARED_RE = re.compile(
+    r"extern\s+__shared__\s+((?:__align__\s*\(\s*\d+\s*\)\s*)*)([\w:<>\s\*]+?)\s*"
+    r"\b([A-Za-z_]\w*)\s*\[\s*\]\s*;"
+)
 
 
 class EmulationError(RuntimeError):
@@ -210,6 +220,90 @@ def _entry_points(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _instrument_shared(source: str) -> str:
+    """Make every static ``__shared__`` variable register itself with the runtime.
+
+    ``__shared__ float s[N], t;`` gets ``static ::cuemu::SharedVar cuemu_sv_K{&s, sizeof(s)};``
+    (and one for ``t``) appended on the same line, so the runtime can poison it before each
+    block.  ``extern __shared__ T name[];`` becomes a pointer to the launch's dynamic shared
+    buffer.  Occurrences inside comments, literals and preprocessor directives are left alone.
+    """
+    skip = [m.span() for m in _SKIP_RE.finditer(source)]
+
+    def skipped(pos: int) -> bool:
+        return any(a <= pos < b for a, b in skip)
+
+    out, last, counter = [], 0, 0
+    for m in _SHARED_RE.finditer(source):
+        if m.start() < last or skipped(m.start()):
+            continue
+        ext = source.rfind("extern", 0, m.start())
+        if ext >= 0 and not source[ext + 6 : m.start()].strip():
+            d = _EXTERN_SHARED_RE.match(source, ext)
+            if d is None:
+                continue  # left as is: the compiler will point at it
+            ctype, name = d.group(2).strip(), d.group(3)
+            out.append(source[last:ext])
+            out.append(f"{ctype}* const {name} = reinterpret_cast<{ctype}*>(::cuemu::dynamic_shared_base());")
+            last = d.end()
+            continue
+        end = _declaration_end(source, m.end(), skipped)
+        if end is None:
+            continue
+        names = _declarator_names(source[m.end() : end])
+        regs = []
+        for name in names:
+            counter += 1
+            regs.append(f" static ::cuemu::SharedVar cuemu_sv_{counter}{{&{name}, sizeof({name})}};")
+        out.append(source[last : end + 1] + "".join(regs))
+        last = end + 1
+    out.append(source[last:])
+    return "".join(out)
+
+
+def _declaration_end(source: str, pos: int, skipped) -> int | None:
+    """Index of the ``;`` that ends the declaration starting at `pos` (depth 0)."""
+    depth = 0
+    for i in range(pos, len(source)):
+        c = source[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif c == ";" and depth == 0 and not skipped(i):
+            return i
+    return None
+
+
+def _declarator_names(decl: str) -> list[str]:
+    """Names declared by ``float a[4][N], b`` (the text after ``__shared__``)."""
+    parts, depth, cur = [], 0, []
+    for c in decl:
+        if c in "([{<":
+            depth += 1
+        elif c in ")]}>":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    parts.append("".join(cur))
+    names = []
+    for part in parts:
+        part = part.split("=")[0]
+        prev = None
+        while prev != part:  # drop [..], (..), <..> groups innermost first
+            prev = part
+            part = re.sub(r"\[[^\[\]]*\]|\([^()]*\)|<[^<>]*>", " ", part)
+        idents = re.findall(r"[A-Za-z_]\w*", part)
+        if idents:
+            names.append(idents[-1])
+    return names
+
+
 def _glue(names: list[str]) -> str:
     lines = ["\n// ---- cuonline emulation launchers (generated) ----"]
     for name in names:
@@ -287,7 +381,7 @@ def compile_module(
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
-            lib_path = _build(key, source + _glue(names), names, cxx, flags)
+            lib_path = _build(key, _instrument_shared(source) + _glue(names), names, cxx, flags)
             mod = EmulatedModule(lib_path, names, mode=mode, tsan=tsan)
             _modules[key] = mod
         return mod
