@@ -52,7 +52,8 @@ def test_strided_axpy_with_grid_tail(basic):
     x = rng.standard_normal(n * stride).astype(np.float32)
     y = rng.standard_normal(n).astype(np.float32)
     expected = np.float32(2.5) * x[::stride] + y
-    basic.get_function("strided_axpy")(8, 128, (x, y, np.float32(2.5), np.int32(n), np.int32(stride)))
+    args = (x, y, np.float32(2.5), np.int32(n), np.int32(stride))
+    basic.get_function("strided_axpy")(8, 128, args)
     np.testing.assert_array_equal(y, expected)
 
 
@@ -107,7 +108,8 @@ def test_shuffles_in_a_partial_last_warp_read_poison(basic):
     nthreads = 40  # warp 1 has lanes 0-7 only
     values = np.arange(nthreads, dtype=np.int32)
     out = np.zeros(nthreads, np.int32)
-    basic.get_function("shuffle_probe")(1, nthreads, (values, out, np.int32(2), np.int32(4), np.int32(32)))
+    args = (values, out, np.int32(2), np.int32(4), np.int32(32))  # down by 4
+    basic.get_function("shuffle_probe")(1, nthreads, args)
     expected = _shuffle_oracle("down", 4, 32, nthreads, values)
     np.testing.assert_array_equal(out, expected)
     assert (out[36:] == -1).all()
@@ -280,6 +282,20 @@ def test_extern_shared_is_the_dynamic_buffer(templates):
     np.testing.assert_array_equal(out, np.arange(32)[::-1])
 
 
+def test_struct_and_half_parameters_by_value(templates):
+    import ctypes
+
+    class Params(ctypes.Structure):
+        _fields_ = [("n", ctypes.c_int), ("scale", ctypes.c_float), ("shift", ctypes.c_double)]
+
+    out = np.zeros(8, np.float32)
+    fn = templates.get_function("by_value")
+    fn(1, 8, (Params(6, 2.0, 0.5), np.float16(0.25), out))
+    np.testing.assert_array_equal(out, [0.75, 2.75, 4.75, 6.75, 8.75, 10.75, 0, 0])
+    with pytest.raises(TypeError, match="16-byte struct but got a 4-byte"):
+        fn(1, 8, ((ctypes.c_int * 1)(), np.float16(0), out))
+
+
 def test_both_modes_give_identical_results():
     outs = []
     for mode in MODES:
@@ -359,7 +375,7 @@ def test_watchdog_reports_a_deadlock_in_threads_mode():
 def test_python_scalars_and_mistyped_arguments_are_refused(basic):
     fn = basic.get_function("strided_axpy")
     x, y = np.zeros(8, np.float32), np.zeros(8, np.float32)
-    with pytest.raises(TypeError, match="argument 3 of strided_axpy is a int.*explicit NumPy scalar"):
+    with pytest.raises(TypeError, match="argument 3 of strided_axpy is a int.*NumPy scalar"):
         fn(1, 8, (x, y, np.float32(1), 8, np.int32(1)))
     with pytest.raises(TypeError, match="argument 2 .* float passed by value"):
         fn(1, 8, (x, y, 1.0, np.int32(8), np.int32(1)))
@@ -438,7 +454,6 @@ def _tsan_env():
 
 
 _TSAN_SCRIPT = """
-    import sys
     import numpy as np
     from cuonline.testing import emulate
     assert emulate.running_under_tsan()
@@ -447,6 +462,19 @@ _TSAN_SCRIPT = """
     out = np.zeros(2, np.float32)
     mod.get_function("block_sum")(2, 64, (x, out, np.int32(128)))
     print("RESULT", out.tolist())
+    if {everything}:  # the runtime's own paths: exchange buffer, votes, dynamic smem, atomics
+        v = np.arange(64, dtype=np.int32)
+        o = np.zeros(64, np.int32)
+        for kind in range(4):
+            args = (v, o, np.int32(kind), np.int32(1), np.int32(8))
+            mod.get_function("shuffle_probe")(2, 32, args)
+        b, a, l = np.zeros(64, np.uint32), np.zeros(64, np.int32), np.zeros(64, np.int32)
+        mod.get_function("votes")(1, 64, (v % 2, b, a, l))
+        y = np.zeros(128, np.float32)
+        mod.get_function("reverse_dynamic")(2, 64, (x, y, np.int32(0)), shared_mem=256)
+        c, f, d = np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1)
+        mod.get_function("atomics")(2, 64, (c, f, d, np.int32(100)))
+        print("CHECKS", (y == x.reshape(2, 64)[:, ::-1].ravel()).all(), c[0], f[0], d[0])
 """
 
 
@@ -455,10 +483,12 @@ _TSAN_SCRIPT = """
 )
 def test_thread_sanitizer(kernel, racy):
     env = _tsan_env()
-    proc = _run_python(_TSAN_SCRIPT.format(path=str(KERNELS / kernel)), env, timeout=300)
+    script = _TSAN_SCRIPT.format(path=str(KERNELS / kernel), everything=not racy)
+    proc = _run_python(script, env, timeout=300)
     reported = "WARNING: ThreadSanitizer" in proc.stderr
     if racy:
         assert reported and "data race" in proc.stderr, proc.stderr[-3000:]
     else:
         assert not reported and proc.returncode == 0, proc.stderr[-3000:]
         assert "RESULT [2016.0, 6112.0]" in proc.stdout
+        assert "CHECKS True 100 100.0 4950.0" in proc.stdout

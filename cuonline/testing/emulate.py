@@ -85,6 +85,7 @@ _SCALAR_CODES = {
     np.uint64: "u8",
     np.float32: "f4",
     np.float64: "f8",
+    np.float16: "h2",
 }
 _CTYPES = {
     "i4": ctypes.c_int32,
@@ -93,6 +94,7 @@ _CTYPES = {
     "u8": ctypes.c_uint64,
     "f4": ctypes.c_float,
     "f8": ctypes.c_double,
+    "h2": ctypes.c_uint16,
 }
 _C_NAMES = {
     "i1": "signed char",
@@ -244,7 +246,10 @@ def _instrument_shared(source: str) -> str:
                 continue  # left as is: the compiler will point at it
             ctype, name = d.group(2).strip(), d.group(3)
             out.append(source[last:ext])
-            out.append(f"{ctype}* const {name} = reinterpret_cast<{ctype}*>(::cuemu::dynamic_shared_base());")
+            out.append(
+                f"{ctype}* const {name} = "
+                f"reinterpret_cast<{ctype}*>(::cuemu::dynamic_shared_base());"
+            )
             last = d.end()
             continue
         end = _declaration_end(source, m.end(), skipped)
@@ -254,7 +259,9 @@ def _instrument_shared(source: str) -> str:
         regs = []
         for name in names:
             counter += 1
-            regs.append(f" static ::cuemu::SharedVar cuemu_sv_{counter}{{&{name}, sizeof({name})}};")
+            regs.append(
+                f" static ::cuemu::SharedVar cuemu_sv_{counter}{{&{name}, sizeof({name})}};"
+            )
         out.append(source[last : end + 1] + "".join(regs))
         last = end + 1
     out.append(source[last:])
@@ -546,6 +553,13 @@ class EmulatedKernel:
                 )
             return ctypes.c_void_p(arg.ctypes.data)
         # by value
+        if code.startswith("vx") and isinstance(arg, (ctypes.Structure, ctypes.Array)):
+            if ctypes.sizeof(arg) != int(elem[1:]):
+                raise TypeError(
+                    f"{where} is a {elem[1:]}-byte struct but got a {ctypes.sizeof(arg)}-byte "
+                    f"{type(arg).__name__}"
+                )
+            return arg
         if isinstance(arg, (bool, int, float)) or not isinstance(arg, np.generic):
             raise TypeError(
                 f"{where} is a {_c_name(elem)} passed by value: give an explicit NumPy scalar "
@@ -560,6 +574,8 @@ class EmulatedKernel:
             raise TypeError(
                 f"{where} is a {_c_name(elem)} but got {type(arg).__name__} ({_c_name(got)})"
             )
+        if got == "h2":
+            return ctypes.c_uint16(int(arg.view(np.uint16)))
         return _CTYPES[got](arg.item())
 
 

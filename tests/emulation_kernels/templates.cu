@@ -64,3 +64,10 @@ extern "C" __global__ void extern_dynamic(float* __restrict__ out) {
     __syncthreads();
     out[threadIdx.x] = dyn[blockDim.x - 1 - threadIdx.x];
 }
+
+// Parameters passed by value: a struct (as a ctypes.Structure) and a __half (as np.float16).
+struct Params { int n; float scale; double shift; };
+extern "C" __global__ void by_value(Params p, __half h, float* __restrict__ out) {
+    const int i = threadIdx.x;
+    if (i < p.n) out[i] = i * p.scale + (float)p.shift + __half2float(h);
+}
