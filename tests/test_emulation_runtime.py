@@ -395,6 +395,15 @@ def test_python_scalars_and_mistyped_arguments_are_refused(basic):
         fn(1, 2048, (x, y, np.float32(1), np.int32(8), np.int32(1)))
 
 
+def test_float64_scalar_for_a_double_parameter(basic):
+    # np.float64 subclasses Python float; it is an explicit C double and must be accepted.
+    x = np.arange(4, dtype=np.float64)
+    basic.get_function("scale_double")(1, 4, (x, np.float64(0.5)))
+    np.testing.assert_array_equal(x, [0, 0.5, 1, 1.5])
+    with pytest.raises(TypeError, match="is a double passed by value"):
+        basic.get_function("scale_double")(1, 4, (x, 0.5))
+
+
 def test_null_pointer_and_read_only_input_are_accepted(basic):
     x = np.arange(8, dtype=np.float32)
     x.flags.writeable = False  # const float* may be read-only

@@ -64,6 +64,7 @@ __all__ = [
     "header_path",
     "running_under_tsan",
     "tsan_environment",
+    "tsan_python",
 ]
 
 #: Bumped whenever the generated launcher code changes, to invalidate cached libraries.
@@ -560,7 +561,7 @@ class EmulatedKernel:
                     f"{type(arg).__name__}"
                 )
             return arg
-        if isinstance(arg, (bool, int, float)) or not isinstance(arg, np.generic):
+        if not isinstance(arg, np.generic):  # np.float64 subclasses float: test this first
             raise TypeError(
                 f"{where} is a {_c_name(elem)} passed by value: give an explicit NumPy scalar "
                 f"(np.int32, np.int64, np.uint32, np.uint64, np.float32, np.float64), got "
@@ -638,9 +639,14 @@ def tsan_environment() -> dict[str, str]:
 
     Returns a copy of ``os.environ`` with libtsan preloaded, ``OPENBLAS_NUM_THREADS=1`` (OpenBLAS's
     own threads give false reports) and ``TSAN_OPTIONS`` that keep reports readable.  Start the
-    subprocess with ``sys.executable`` resolved by :func:`os.path.realpath` (``python_executable``
-    key of the returned dict is not set; use ``tsan_python()``).  Raises :class:`RuntimeError`
-    when libtsan is not available.
+    subprocess with :func:`tsan_python` (the real interpreter binary: a pyenv shim crashes under
+    ``LD_PRELOAD``).  Raises :class:`RuntimeError` when libtsan is not available.
+
+    Examples
+    --------
+    >>> import subprocess
+    >>> env = tsan_environment()                                      # doctest: +SKIP
+    >>> subprocess.run([tsan_python(), "check_races.py"], env=env)    # doctest: +SKIP
     """
     lib = _libtsan()
     if lib is None:

@@ -147,3 +147,8 @@ extern "C" __global__ void barrier_loop(float* __restrict__ out, int rounds) {
     }
     out[blockIdx.x * blockDim.x + t] = acc;
 }
+
+// A double passed by value.
+extern "C" __global__ void scale_double(double* __restrict__ x, double a) {
+    x[threadIdx.x] *= a;
+}
