@@ -61,6 +61,7 @@ __all__ = [
     "EmulatedModule",
     "EmulatedKernel",
     "compile_module",
+    "compiler_problem",
     "header_path",
     "running_under_tsan",
     "tsan_environment",
@@ -194,6 +195,15 @@ def _compiler() -> tuple[str, str]:
             )
         _compiler_info = (found, version)
         return _compiler_info
+
+
+def compiler_problem() -> str | None:
+    """None when a C++20 compiler for the emulation is available, else why it is not."""
+    try:
+        _compiler()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def _flags(mode: str, tsan: bool) -> list[str]:
