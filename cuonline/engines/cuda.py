@@ -30,13 +30,14 @@ _modules = {}
 _modules_lock = threading.Lock()
 
 
-def attention(problem, *, num_sms=None, n_splits=None, kernel_text=None, emulate_options=None):
+def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
+              emulate_options=None):
     """Run :class:`cuonline._validate.Problem` ``problem``; return ``(out, lse or None)``.
 
     ``out`` has the dtype of the inputs and shape ``batch_shape + (lq, dv)``; ``lse`` the
     accumulation dtype and shape ``batch_shape + (lq,)``. The keyword arguments are seams for
-    tests: ``num_sms`` and ``n_splits`` steer the planner, ``kernel_text`` replaces the text of
-    ``attention_fwd.cu`` (deliberately broken copies), ``emulate_options`` are passed to
+    tests: ``num_sms`` and ``n_splits`` steer the planner, ``kernel_sources`` maps kernel file
+    names to replacement texts (deliberately broken copies), ``emulate_options`` are passed to
     :func:`cuonline.testing.emulate.compile_module` (``mode``, ``tsan``).
     """
     p = problem
@@ -61,7 +62,7 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_text=None, emulate
     if num_sms is None:
         num_sms = _num_sms() if p.backend == "cupy" else heuristics.DEFAULT_NUM_SMS
     plan = heuristics.plan_attention(p, num_sms=num_sms, n_splits=n_splits)
-    module = _module(plan.spec, p.backend, kernel_text, emulate_options)
+    module = _module(plan.spec, p.backend, kernel_sources, emulate_options)
     return _launch(p, plan, module)
 
 
@@ -69,15 +70,15 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_text=None, emulate
 # modules
 
 
-def _module(spec, backend, kernel_text, emulate_options):
-    text = source.build_source(spec, family_text=kernel_text)
+def _module(spec, backend, kernel_sources, emulate_options):
+    text = source.build_source(spec, overrides=kernel_sources)
     if backend == "emulate":
         from ..testing import emulate  # noqa: PLC0415 - g++ only when asked for
 
         return emulate.compile_module(text, **(emulate_options or {}))
     import cupy  # noqa: PLC0415
 
-    key = (cupy.cuda.Device().id, spec.key, hash(text) if kernel_text is not None else None)
+    key = (cupy.cuda.Device().id, spec.key, hash(text) if kernel_sources else None)
     with _modules_lock:
         module = _modules.get(key)
         if module is None:

@@ -69,7 +69,7 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS):
         # only as many warps as there are rows to own; the key split fills the GPU instead.
         lq = max(lq, 1)
         rows = min(rows, 2 ** math.ceil(math.log2(math.ceil(lq / WARPS))))
-        warps = math.ceil(lq / rows)
+        warps = min(WARPS, math.ceil(lq / rows))
     else:
         # Enough query tiles to give every SM two blocks: shrink the tile rather than idle SMs
         # (rows >= 2 keeps some reuse of the staged K/V tile).

@@ -37,14 +37,17 @@ def read_kernel_file(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def build_source(spec, *, family_text: str | None = None) -> str:
+def build_source(spec, *, overrides: dict | None = None) -> str:
     """Full compilable text of ``spec``: its defines, then common.cuh, then ``<family>.cu``.
 
-    ``family_text`` replaces the family's ``.cu`` text (tests compile deliberately broken
-    copies through the same path).
+    ``overrides`` maps a file name (``"common.cuh"``, ``"attention_fwd.cu"``) to a text that
+    replaces it: tests compile deliberately broken copies through this same path.
     """
+    overrides = overrides or {}
+
+    def text(name):
+        return overrides[name] if name in overrides else read_kernel_file(name)
+
     lines = [f"// cuonline kernel variant {spec.key}"]
     lines += [f"#define {name} {value}" for name, value in spec.defines().items()]
-    if family_text is None:
-        family_text = read_kernel_file(f"{spec.family}.cu")
-    return "\n".join(["\n".join(lines), read_kernel_file(COMMON_HEADER), family_text])
+    return "\n".join(["\n".join(lines), text(COMMON_HEADER), text(f"{spec.family}.cu")])

@@ -1,0 +1,335 @@
+// attention_fwd.cu: exact attention forward, FlashAttention-2 loop shape, SIMT (plain FMA).
+//
+// Variant selection: source.py prepends #define lines (see cuonline/kernels/specs.py) and
+// common.cuh. Required defines:
+//   CUONLINE_T, CUONLINE_ACC        element type (float, double, __half, __nv_bfloat16) and
+//                                   accumulation type (float, or double for double inputs)
+//   CUONLINE_D, CUONLINE_DV         head dims of q/k and of v (1..256, may differ)
+//   CUONLINE_WARPS                  warps per block
+//   CUONLINE_ROWS_PER_WARP          query rows owned by each warp  (kBlockM = warps * rows)
+//   CUONLINE_KEYS_PER_LANE          keys scored by each lane per tile (kBlockN = 32 * keys)
+//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
+//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1
+//
+// Work decomposition
+//   grid.x = nbatch * n_query_tiles, grid.z = number of key splits (1 without CUONLINE_SPLIT)
+//   block  = kWarps warps; warp w owns query rows [w*kRows, (w+1)*kRows) of the tile.
+//   Scores: lane t scores keys t, t+32, ... of the key tile against each of its warp's rows
+//           (q rows broadcast from shared memory, K rows read at a padded stride).
+//   Softmax: row max by warp shuffle; each lane keeps its share of the row sum.
+//   P·V:    lane t accumulates output columns t, t+32, ...; p_j is broadcast by shuffle from
+//           the lane that scored key j.
+// Shared memory (dynamic, in the accumulation type):
+//   sQ : (kBlockM, kD)            the query tile, loaded once
+//   sKV: (kBlockN, kLdKV)         the K tile, then (after a barrier) the V tile of the same keys;
+//                                 one buffer for both halves the footprint (no async copies in
+//                                 SIMT, so there is no overlap to lose).
+//
+// Operands are addressed as base + offsets[b * 5 + op] + row * strides[2*op] + col *
+// strides[2*op + 1] (elements, 64-bit), with op = 0 q, 1 k, 2 v, 3 bias, 4 mask. The host
+// computes the per-batch offsets from the broadcast views' strides, so broadcasting, transposes
+// and negative steps cost no copy. out and lse are contiguous: (nbatch, lq, Dv) and (nbatch, lq).
+
+#ifndef CUONLINE_SPLIT
+#error "attention_fwd.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
+#endif
+
+namespace cuonline {
+namespace fwd {
+
+typedef CUONLINE_T T;
+typedef CUONLINE_ACC Acc;
+
+constexpr int kD = CUONLINE_D;
+constexpr int kDv = CUONLINE_DV;
+constexpr int kWarps = CUONLINE_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = CUONLINE_ROWS_PER_WARP;
+constexpr int kBlockM = kWarps * kRows;
+constexpr int kKeys = CUONLINE_KEYS_PER_LANE;
+constexpr int kBlockN = 32 * kKeys;
+constexpr int kCols = (kDv + 31) / 32;  // output columns per lane
+constexpr int kDmax = kD > kDv ? kD : kDv;
+// Lane t reads row t of sKV at column d: an odd row stride (in 4-byte words for float) puts
+// the 32 lanes on 32 different banks.
+constexpr int kLdKV = kDmax + 1;
+constexpr int kNumOperands = 5;
+enum Operand { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4 };
+
+// Without a split the kernel writes the final out (element type); with a split it writes a
+// partial, already normalised out and lse per split into an accumulation-type workspace.
+#if CUONLINE_SPLIT
+typedef Acc OutT;
+#else
+typedef T OutT;
+#endif
+
+// Stage rows [j0, j0 + kBlockN) x columns [0, kCols_) of K or V into sKV. Keys at or past
+// `key_end` (kv_lengths or Lk) are never read: their rows are zero, so padding may hold NaN.
+template <int kWidth>
+__device__ __forceinline__ void load_kv_tile(Acc* sKV, const T* base, long long row_stride,
+                                             long long col_stride, long long j0,
+                                             long long key_end) {
+    for (int idx = threadIdx.x; idx < kBlockN * kWidth; idx += kThreads) {
+        const int r = idx / kWidth;
+        const int c = idx - r * kWidth;
+        const long long j = j0 + r;
+        sKV[r * kLdKV + c] = j < key_end ? to_acc(base[j * row_stride + c * col_stride]) : Acc(0);
+    }
+}
+
+}  // namespace fwd
+}  // namespace cuonline
+
+extern "C" __global__ void __launch_bounds__(cuonline::fwd::kThreads)
+cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
+                       const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
+                       const CUONLINE_T* __restrict__ v,          // per batch: (lk, Dv)
+                       const CUONLINE_ACC* __restrict__ bias,     // per batch: (lq, lk) or null
+                       const unsigned char* __restrict__ mask,    // per batch: (lq, lk) or null
+                       const long long* __restrict__ kv_lengths,  // (nbatch,) or null
+                       const CUONLINE_ACC* __restrict__ alibi,    // (nbatch,) or null
+                       cuonline::fwd::OutT* __restrict__ out,     // ([nsplit,] nbatch, lq, Dv)
+                       CUONLINE_ACC* __restrict__ lse,            // ([nsplit,] nbatch, lq) or null
+                       const long long* __restrict__ offsets,     // (nbatch, 5)
+                       const long long* __restrict__ strides,     // (5, 2)
+                       int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,
+                       long long window_left, long long window_right,  // >= 2^60: unbounded
+                       long long split_keys)                           // keys per grid.z slice
+{
+    using namespace cuonline;
+    using namespace cuonline::fwd;
+
+    CUONLINE_DYNAMIC_SHARED(CUONLINE_ACC, cuonline_fwd_smem);
+    Acc* sQ = cuonline_fwd_smem;              // (kBlockM, kD)
+    Acc* sKV = cuonline_fwd_smem + kBlockM * kD;  // (kBlockN, kLdKV)
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    // ---- which tile: heaviest causal query tiles (the last ones) are scheduled first
+    const long long n_qtiles = (lq + kBlockM - 1) / kBlockM;
+    const long long nbatch = gridDim.x / n_qtiles;
+    const long long b = blockIdx.x / n_qtiles;
+    const long long qtile = n_qtiles - 1 - (blockIdx.x - b * n_qtiles);
+    const long long i0 = qtile * kBlockM;
+    const long long i_end = i0 + kBlockM < lq ? i0 + kBlockM : lq;
+    const long long diag = (long long)lk - lq;  // key aligned with query 0 (bottom-right)
+
+    const long long* off = offsets + b * kNumOperands;
+    const T* q_b = q + off[kQ];
+    const T* k_b = k + off[kK];
+    const T* v_b = v + off[kV];
+
+    // ---- visible key range of this block: [j_lo, j_hi); tiles outside it are never touched
+    long long key_end = lk;
+#if CUONLINE_HAS_KV_LENGTHS
+    key_end = kv_lengths[b];  // clipped to [0, lk] on the host
+#endif
+    long long j_lo = 0;
+    long long j_hi = key_end;
+#if CUONLINE_HAS_WINDOW
+    if (i0 + diag - window_left > j_lo) j_lo = i0 + diag - window_left;
+    if (i_end + diag + window_right < j_hi) j_hi = i_end + diag + window_right;
+#endif
+#if CUONLINE_SPLIT
+    const long long split = blockIdx.z;
+    if (split * split_keys > j_lo) j_lo = split * split_keys;
+    if ((split + 1) * split_keys < j_hi) j_hi = (split + 1) * split_keys;
+#endif
+
+    // ---- per-row constants, in log2 units
+    const Acc log2e_ = log2e(Acc());
+#if CUONLINE_HAS_SOFTCAP
+    const Acc scale_over_cap = scale / softcap;  // s = cap * tanh(scale * qk / cap)
+    const Acc cap_log2 = softcap * log2e_;
+#else
+    const Acc scale_log2 = scale * log2e_;
+#endif
+#if CUONLINE_HAS_ALIBI
+    const Acc slope_log2 = alibi[b] * log2e_;
+#endif
+
+    SoftmaxState<Acc, kCols> state[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) state[r].init();
+
+    if (j_lo < j_hi) {
+        // ---- stage the query tile; rows past lq are zero and fully masked below
+        for (int idx = threadIdx.x; idx < kBlockM * kD; idx += kThreads) {
+            const int r = idx / kD;
+            const int c = idx - r * kD;
+            const long long i = i0 + r;
+            sQ[idx] = i < lq ? to_acc(q_b[i * strides[2 * kQ] + c * strides[2 * kQ + 1]]) : Acc(0);
+        }
+
+        for (long long j0 = (j_lo / kBlockN) * kBlockN; j0 < j_hi; j0 += kBlockN) {
+            // ---- load K tile (the barrier also keeps the previous V tile alive until read)
+            __syncthreads();
+            load_kv_tile<kD>(sKV, k_b, strides[2 * kK], strides[2 * kK + 1], j0, key_end);
+            __syncthreads();
+
+            // ---- scores: s[r][t] = q_row(r) . k_(j0 + lane + 32 t)
+            Acc s[kRows][kKeys];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int t = 0; t < kKeys; ++t) s[r][t] = Acc(0);
+#pragma unroll 4
+            for (int d = 0; d < kD; ++d) {
+                Acc kd[kKeys];
+#pragma unroll
+                for (int t = 0; t < kKeys; ++t) kd[t] = sKV[(lane + 32 * t) * kLdKV + d];
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+                    const Acc qd = sQ[(warp * kRows + r) * kD + d];  // broadcast
+#pragma unroll
+                    for (int t = 0; t < kKeys; ++t) s[r][t] += qd * kd[t];
+                }
+            }
+
+            // ---- score transform (softcap, bias, ALiBi) and masking, in log2 units
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                const long long i = i0 + warp * kRows + r;
+#pragma unroll
+                for (int t = 0; t < kKeys; ++t) {
+                    const long long j = j0 + lane + 32 * t;
+                    bool visible = i < lq && j >= j_lo;
+#if CUONLINE_HAS_WINDOW
+                    visible = visible && j >= i + diag - window_left && j <= i + diag + window_right;
+#endif
+#if CUONLINE_HAS_MASK
+                    if (visible) {
+                        const long long mo = off[kMask] + i * strides[2 * kMask] +
+                                             j * strides[2 * kMask + 1];
+                        visible = mask[mo] != 0;
+                    }
+#endif
+                    Acc x;
+#if CUONLINE_HAS_SOFTCAP
+                    x = cap_log2 * tanh_(s[r][t] * scale_over_cap);
+#else
+                    x = s[r][t] * scale_log2;
+#endif
+#if CUONLINE_HAS_BIAS
+                    if (visible) {
+                        const long long bo = off[kBias] + i * strides[2 * kBias] +
+                                             j * strides[2 * kBias + 1];
+                        x += bias[bo] * log2e_;
+                    }
+#endif
+#if CUONLINE_HAS_ALIBI
+                    {
+                        const long long dist = i + diag - j;
+                        x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
+                    }
+#endif
+                    s[r][t] = visible ? x : neg_inf(Acc());
+                }
+            }
+
+            // ---- rescale running state to the new row max; p = exp2(s - m)
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                Acc tile_max = s[r][0];
+#pragma unroll
+                for (int t = 1; t < kKeys; ++t) tile_max = max_(tile_max, s[r][t]);
+                const Acc m_use = state[r].rescale_to(warp_max(tile_max));
+#pragma unroll
+                for (int t = 0; t < kKeys; ++t) {
+                    s[r][t] = exp2_(s[r][t] - m_use);
+                    state[r].l += s[r][t];
+                }
+            }
+
+            // ---- load V tile into the same buffer once every warp is done with K
+            __syncthreads();
+            load_kv_tile<kDv>(sKV, v_b, strides[2 * kV], strides[2 * kV + 1], j0, key_end);
+            __syncthreads();
+
+            // ---- accumulate P·V: lane owns columns lane + 32 c
+#pragma unroll
+            for (int t = 0; t < kKeys; ++t) {
+#pragma unroll 4
+                for (int src = 0; src < 32; ++src) {
+                    const int jj = src + 32 * t;
+                    Acc vv[kCols];
+#pragma unroll
+                    for (int c = 0; c < kCols; ++c) {
+                        const int col = lane + 32 * c;
+                        vv[c] = col < kDv ? sKV[jj * kLdKV + col] : Acc(0);
+                    }
+#pragma unroll
+                    for (int r = 0; r < kRows; ++r) {
+                        const Acc p = __shfl_sync(CUONLINE_FULL_MASK, s[r][t], src);
+#pragma unroll
+                        for (int c = 0; c < kCols; ++c) state[r].o[c] += p * vv[c];
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- finalize: sum the lanes' shares of l, normalise, write out (and lse)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const long long i = i0 + warp * kRows + r;
+        const Acc l_total = warp_sum(state[r].l);
+        const Acc row_lse = state[r].finalize(l_total);
+        if (i >= lq) continue;
+#if CUONLINE_SPLIT
+        const long long row = (split * nbatch + b) * lq + i;
+#else
+        const long long row = b * lq + i;
+#endif
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+            const int col = lane + 32 * c;
+            if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[r].o[c]);
+        }
+#if CUONLINE_SPLIT || CUONLINE_RETURN_LSE
+        if (lane == 0) lse[row] = row_lse;
+#endif
+    }
+}
+
+// Combine the per-split partial results: one warp per (batch, query) row, lane owns columns
+// lane + 32 c. ws_out: (nsplit, nrows, Dv), ws_lse: (nsplit, nrows) in Acc; out: (nrows, Dv) in T;
+// lse: (nrows,) or null. Same math as cuonline.merge: m = max lse_i, w_i = exp(lse_i - m),
+// out = sum w_i out_i / sum w_i, lse = m + log sum w_i; all parts empty gives 0 and -inf.
+constexpr int kCombineWarps = 4;
+
+extern "C" __global__ void __launch_bounds__(32 * kCombineWarps)
+cuonline_attention_combine(const CUONLINE_ACC* __restrict__ ws_out,
+                           const CUONLINE_ACC* __restrict__ ws_lse,
+                           CUONLINE_T* __restrict__ out, CUONLINE_ACC* __restrict__ lse,
+                           long long nrows, int nsplit)
+{
+    using namespace cuonline;
+    using namespace cuonline::fwd;
+
+    const int lane = threadIdx.x % 32;
+    const long long row = (long long)blockIdx.x * kCombineWarps + threadIdx.x / 32;
+    if (row >= nrows) return;  // whole warps leave together: no shuffles below
+
+    SoftmaxState<Acc, kCols> state;
+    state.init();
+    for (int z = 0; z < nsplit; ++z) {
+        const long long part = z * nrows + row;
+        Acc part_out[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+            const int col = lane + 32 * c;
+            part_out[c] = col < kDv ? ws_out[part * kDv + col] : Acc(0);
+        }
+        state.merge(ws_lse[part] * log2e(Acc()), part_out);
+    }
+    const Acc row_lse = state.finalize(state.l);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+        const int col = lane + 32 * c;
+        if (col < kDv) out[row * kDv + col] = FromAcc<T>::cvt(state.o[c]);
+    }
+    if (lse != nullptr && lane == 0) lse[row] = row_lse;
+}

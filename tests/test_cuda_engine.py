@@ -1,0 +1,353 @@
+"""The CUDA engine against the float64 oracle: emulated on the CPU, and on a GPU where one exists.
+
+One matrix of cases, each run through :func:`cuonline.engines.cuda.attention` (the named seam,
+so a test can steer the planner: ``num_sms`` picks large or small tiles, ``n_splits`` forces a
+key split) with NumPy arrays on ``backend="emulate"`` and, marked ``gpu``, with CuPy arrays.
+Then the planner's pure functions, and deliberately broken kernels (tests/mutants/) that the
+matrix must catch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from oracle import reference_attention
+
+from cuonline._validate import validate_attention
+from cuonline.engines import cuda
+from cuonline.kernels import heuristics
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "mutants"))
+import make_mutants  # noqa: E402
+
+OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
+                "softcap", "return_lse")
+
+_emulate_reason = emulation_available()
+_gpu_reason = gpu_available()
+BACKENDS = [
+    pytest.param("emulate", id="emulate",
+                 marks=pytest.mark.skipif(_emulate_reason is not None,
+                                          reason=_emulate_reason or "")),
+    pytest.param("cupy", id="cupy",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")]),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# cases
+
+
+def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, kv_batch=None,
+              options=()):
+    """Inputs for one case: ``(q, k, v, options_dict)``; options named in ``options`` are set.
+
+    ``kv_batch`` gives k/v their own (broadcastable) leading shape, e.g. grouped queries.
+    """
+    rng = np.random.default_rng(seed)
+    kv_batch = batch if kv_batch is None else kv_batch
+    q = rng.standard_normal(batch + (lq, d)).astype(dtype)
+    k = rng.standard_normal(kv_batch + (lk, d)).astype(dtype)
+    v = rng.standard_normal(kv_batch + (lk, dv)).astype(dtype)
+    full = np.broadcast_shapes(batch, kv_batch)
+    opts = {}
+    for name in options:
+        if name == "causal":
+            opts["causal"] = True
+        elif name == "window":
+            opts["window"] = (9, 4)
+        elif name == "scale":
+            opts["scale"] = 0.7
+        elif name == "bias":
+            # (Lq, Lk) broadcast over the batch: read with zero batch strides, never expanded.
+            opts["bias"] = rng.standard_normal((lq, lk)).astype(np.float32)
+        elif name == "mask":
+            m = rng.random((1, lq, lk)) < 0.8
+            m[0, 0, :] = False                      # one fully masked row
+            opts["mask"] = m
+        elif name == "kv_lengths":
+            lengths = rng.integers(0, lk + 1, size=full)
+            lengths.flat[0] = 0                     # one batch element sees no key at all
+            lengths.flat[-1] = lk
+            opts["kv_lengths"] = lengths
+        elif name == "alibi_slopes":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, size=full[-1:])
+        elif name == "softcap":
+            opts["softcap"] = 1.5
+        elif name == "return_lse":
+            opts["return_lse"] = True
+        else:
+            raise ValueError(name)
+    return q, k, v, opts
+
+
+def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=None, **options):
+    """Run the CUDA engine on NumPy inputs (moved to the GPU for "cupy"); NumPy results."""
+    xp = np
+    if backend == "cupy":
+        import cupy as xp  # noqa: PLC0415
+    put = {name: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
+           for name, x in options.items()}
+    kwargs = dict(scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
+                  alibi_slopes=None, softcap=None, return_lse=False)
+    kwargs.update(put)
+    problem = validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
+                                 **kwargs)
+    out, lse = cuda.attention(problem, num_sms=num_sms, n_splits=n_splits,
+                              kernel_sources=kernel_sources)
+    if backend == "cupy":
+        out, lse = out.get(), (None if lse is None else lse.get())
+    return out, lse
+
+
+def oracle_errors(q, k, v, out, lse, options):
+    """Max abs error of out and lse against the float64 oracle, and whether -inf rows agree."""
+    ref_options = {n: x for n, x in options.items() if n != "return_lse"}
+    ref_out, ref_lse = reference_attention(q, k, v, **ref_options)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    out_err = float(np.max(np.abs(out.astype(np.float64) - ref_out), initial=0.0))
+    if lse is None:
+        return out_err, 0.0
+    assert lse.shape == ref_lse.shape
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "fully-masked rows differ"
+    finite = np.isfinite(ref_lse)
+    lse_err = float(np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(
+        1.0, np.abs(ref_lse[finite])), initial=0.0))
+    return out_err, lse_err
+
+
+def check(backend, q, k, v, options, **seams):
+    options = dict(options)
+    options.setdefault("return_lse", True)
+    out, lse = run_cuda(backend, q, k, v, **seams, **options)
+    if not options["return_lse"]:
+        assert lse is None
+    out_err, lse_err = oracle_errors(q, k, v, out, lse, options)
+    tol = tolerance(q.dtype)
+    lse_tol = tolerance(np.float64 if q.dtype == np.float64 else np.float32)
+    assert out_err <= tol, f"out error {out_err:.3g} > {tol:.3g}"
+    assert lse_err <= lse_tol, f"lse error {lse_err:.3g} > {lse_tol:.3g}"
+
+
+# Large tiles (one SM: the planner keeps 8 rows per warp, no split) and small tiles (132 SMs:
+# rows shrink to fill the GPU, and few-query problems split their keys).
+TILINGS = [pytest.param(1, id="big-tiles"), pytest.param(132, id="small-tiles")]
+
+LENGTHS = [(1, 1), (1, 65), (17, 63), (64, 64), (65, 129), (129, 65), (127, 17)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_sms", TILINGS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lq, lk", LENGTHS)
+def test_lengths_tails_and_diagonal(backend, num_sms, causal, lq, lk):
+    q, k, v, opts = make_case(lq * 1000 + lk, lq=lq, lk=lk,
+                              options=("causal",) if causal else ())
+    check(backend, q, k, v, opts, num_sms=num_sms)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTION_NAMES)
+@pytest.mark.parametrize("lq, lk", [(33, 70), (70, 33)])
+def test_each_option_alone(backend, name, lq, lk):
+    q, k, v, opts = make_case(OPTION_NAMES.index(name) * 1000 + lq, batch=(3,), lq=lq, lk=lk,
+                              options=(name,))
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64]
+                         + ([BFLOAT16] if BFLOAT16 is not None else []),
+                         ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("options", [("causal",), OPTION_NAMES[1:]], ids=["causal", "all"])
+def test_dtypes(backend, dtype, options):
+    q, k, v, opts = make_case(7, batch=(3,), lq=40, lk=75, dtype=dtype, options=options)
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d, dv", [(1, 1), (8, 40), (100, 64), (64, 256), (256, 256)])
+def test_head_dims(backend, d, dv):
+    q, k, v, opts = make_case(d + dv, lq=20, lk=45, d=d, dv=dv, options=("causal",))
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lq, lk", [(1, 300), (5, 700), (16, 513)])
+@pytest.mark.parametrize("options", [(), ("causal", "kv_lengths"), OPTION_NAMES[1:]],
+                         ids=["plain", "causal-lengths", "all"])
+def test_split_keys_for_few_queries(backend, lq, lk, options):
+    q, k, v, opts = make_case(lq + lk, batch=(3,), lq=lq, lk=lk, options=options)
+    problem = validate_attention(q, k, v, backend="emulate", scale=None, causal=False,
+                                 window=None, bias=None, mask=None, kv_lengths=None,
+                                 alibi_slopes=None, softcap=None, return_lse=False)
+    assert heuristics.plan_attention(problem).n_splits > 1   # the heuristics choose a split
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_splits", [2, 5])
+def test_forced_split_with_window_and_lengths(backend, n_splits):
+    q, k, v, opts = make_case(3, batch=(2, 2), lq=40, lk=200,
+                              options=("window", "kv_lengths", "causal"))
+    check(backend, q, k, v, opts, n_splits=n_splits)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_broadcast_and_grouped_views(backend):
+    rng = np.random.default_rng(11)
+    # q: a transposed view (B, G, Lq, D) of a (Lq, B, G, D) array; k: reversed along keys;
+    # k and v broadcast over the G query heads of each of the B key/value heads (GQA).
+    q = np.moveaxis(rng.standard_normal((21, 2, 3, 16)).astype(np.float32), 0, 2)
+    k = rng.standard_normal((2, 1, 50, 16)).astype(np.float32)[:, :, ::-1]
+    v = rng.standard_normal((2, 1, 16, 50)).astype(np.float32).swapaxes(-1, -2)
+    bias = rng.standard_normal((3, 1, 50)).astype(np.float32)  # per query head, all rows
+    check(backend, q, k, v, {"bias": bias, "causal": True})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_padding_and_nan_query_row(backend):
+    q, k, v, opts = make_case(5, batch=(2,), lq=9, lk=40, options=("kv_lengths",))
+    opts["kv_lengths"] = np.array([13, 40])
+    k[0, 13:] = np.nan
+    v[0, 13:] = np.nan
+    q[1, 4] = np.nan
+    out, lse = run_cuda(backend, q, k, v, return_lse=True, **opts)
+    assert np.isnan(out[1, 4]).all() and np.isnan(lse[1, 4])
+    rest = np.ones(out.shape[:2], bool)
+    rest[1, 4] = False
+    assert np.isfinite(out[rest]).all()
+    q[1, 4] = 0
+    ref, _ = reference_attention(q, np.nan_to_num(k), np.nan_to_num(v), **opts)
+    assert np.abs(out[rest] - ref[rest]).max() <= tolerance(np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [((0,), 5, 7), ((2,), 0, 7), ((2,), 5, 0)],
+                         ids=["nbatch0", "lq0", "lk0"])
+def test_empty_problems_launch_nothing(backend, shape):
+    batch, lq, lk = shape
+    q, k, v, _ = make_case(1, batch=batch, lq=lq, lk=lk)
+    out, lse = run_cuda(backend, q, k, v, return_lse=True)
+    assert out.shape == batch + (lq, 24) and not out.any()
+    assert lse.shape == batch + (lq,) and np.isneginf(lse).all()
+
+
+def test_public_api_dispatches_emulate():
+    if _emulate_reason is not None:
+        pytest.skip(_emulate_reason)
+    import cuonline
+
+    q, k, v, _ = make_case(2, lq=10, lk=20)
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True, backend="emulate")
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True)
+    assert np.abs(out - ref_out).max() <= tolerance(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# planner (pure functions)
+
+
+def test_heuristics_respect_budgets():
+    for dtype in ("float16", "float32", "float64"):
+        for d in (1, 32, 64, 100, 128, 256):
+            for dv in (d, 256):
+                for lq in (1, 5, 16, 17, 4096):
+                    warps, rows, keys = heuristics.choose_tiles(dtype, d, dv, lq, nbatch=64)
+                    words = 2 if dtype == "float64" else 1
+                    assert 1 <= warps <= 4 and rows in (1, 2, 4, 8) and keys in (1, 2)
+                    assert rows * -(-dv // 32) * words <= heuristics.ACC_REGISTER_BUDGET or rows == 1
+                    smem = heuristics._shared_bytes(warps * rows, 32 * keys, d, dv, 4 * words)
+                    assert smem <= heuristics.SMEM_MAX
+                    if lq <= 16:   # no warp without a row
+                        assert (warps - 1) * rows < lq
+
+
+def test_split_heuristics():
+    # one block against a million keys: split wide; a full grid: no split
+    n, keys = heuristics.choose_splits(1, 10**6, 64)
+    assert 128 <= n <= heuristics.MAX_SPLITS and keys % 64 == 0
+    assert n * keys >= 10**6 > (n - 1) * keys
+    assert heuristics.choose_splits(500, 10**6, 64) == (1, 10**6)
+    assert heuristics.choose_splits(1, 200, 64) == (1, 200)
+
+
+# --------------------------------------------------------------------------------------------
+# mutants: deliberately broken kernels that the matrix must catch
+
+
+@pytest.mark.parametrize("name", sorted(make_mutants.MUTANTS))
+def test_mutant_files_are_up_to_date(name):
+    path = make_mutants.mutant_path(name)
+    assert path.read_text(encoding="utf-8") == make_mutants.mutant_text(name), (
+        f"{path.name} is stale: run python tests/mutants/make_mutants.py"
+    )
+
+
+def _mutant_sources(name):
+    file = make_mutants.MUTANTS[name][0]
+    return {file: make_mutants.mutant_path(name).read_text(encoding="utf-8")}
+
+
+@pytest.mark.parametrize("name", ["no_tail_mask", "no_rescale"])
+def test_mutants_fail_the_oracle_comparison(name):
+    if _emulate_reason is not None:
+        pytest.skip(_emulate_reason)
+    q, k, v, opts = make_case(4, lq=17, lk=129)   # 3 key tiles, a ragged last tile
+    out, lse = run_cuda("emulate", q, k, v, return_lse=True,
+                        kernel_sources=_mutant_sources(name))
+    out_err, lse_err = oracle_errors(q, k, v, out, lse, {})
+    assert max(out_err, lse_err) > 100 * tolerance(np.float32), (name, out_err, lse_err)
+    # and the real kernel passes the same case
+    check("emulate", q, k, v, {})
+
+
+_TSAN_SCRIPT = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from cuonline.testing import emulate
+assert emulate.running_under_tsan()
+import test_cuda_engine as t
+q, k, v, opts = t.make_case(4, lq=20, lk=100)
+from cuonline._validate import validate_attention
+from cuonline.engines import cuda
+p = validate_attention(q, k, v, backend="emulate", scale=None, causal=False, window=None,
+                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
+                       return_lse=True)
+sources = {sources!r}
+out, lse = cuda.attention(p, num_sms=1, kernel_sources=sources,
+                          emulate_options=dict(tsan=True))
+print("DONE", out.shape)
+"""
+
+
+@pytest.mark.parametrize("name", [None, "no_sync"], ids=["correct", "no_sync"])
+def test_thread_sanitizer(name):
+    if _emulate_reason is not None:
+        pytest.skip(_emulate_reason)
+    from cuonline.testing import emulate
+
+    try:
+        env = emulate.tsan_environment()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    sources = _mutant_sources(name) if name else None
+    script = _TSAN_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), sources=sources)
+    proc = subprocess.run([emulate.tsan_python(), "-c", textwrap.dedent(script)],
+                          capture_output=True, text=True, env=env, timeout=600,
+                          cwd=str(ROOT))
+    reported = "WARNING: ThreadSanitizer" in proc.stderr
+    if name:
+        assert reported and "data race" in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert not reported and proc.returncode == 0, proc.stderr[-3000:]
+        assert "DONE" in proc.stdout
