@@ -351,3 +351,35 @@ def test_thread_sanitizer(name):
     else:
         assert not reported and proc.returncode == 0, proc.stderr[-3000:]
         assert "DONE" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# CuPy's on-disk cache: a second process must load the module, not recompile it
+
+_CACHE_SCRIPT = """
+import sys, numpy as np, cupy
+sys.path[:0] = [{root!r}]
+import cuonline
+rng = np.random.default_rng(0)
+q, k, v = (cupy.asarray(rng.standard_normal((2, 33, 64)).astype(np.float32)) for _ in range(3))
+out = cuonline.attention(q, k, v, causal=True, backend="cupy")
+cupy.cuda.Device().synchronize()
+print("DONE", float(abs(out).sum()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")
+def test_second_process_loads_from_cupy_disk_cache(tmp_path):
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path))
+    script = _CACHE_SCRIPT.format(root=str(ROOT))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+        return {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+
+    first = run()
+    assert first, "CuPy wrote nothing to its disk cache"
+    assert run() == first, "the second process recompiled instead of loading the cache"

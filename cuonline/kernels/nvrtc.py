@@ -65,7 +65,10 @@ class CompileReport:
     def as_dict(self) -> dict:
         out = asdict(self)
         out.pop("log")
-        out.update(registers=self.registers, spills=self.spills, stack_frame=self.stack_frame)
+        out.update(registers=self.registers, spills=self.spills, stack_frame=self.stack_frame,
+                   stack_bytes=self.stack_frame,
+                   spill_stores=sum(k.spill_stores for k in self.kernels),
+                   spill_loads=sum(k.spill_loads for k in self.kernels))
         return out
 
 
@@ -263,7 +266,8 @@ def listing_specs() -> list:
 def listing(arch: str = "sm_90") -> list:
     """Compile every listed variant for ``arch``; one dict per variant.
 
-    Keys: ``key``, ``arch``, ``registers``, ``spills`` (bytes stored + loaded), ``stack_frame``,
+    Keys: ``key``, ``arch``, ``registers`` (max over entry points), ``spill_stores``,
+    ``spill_loads``, ``spills`` (their sum), ``stack_bytes`` (= ``stack_frame``),
     ``shared_bytes`` (dynamic, per block), ``static_shared_bytes`` (ptxas), ``threads``,
     ``seconds`` (compile time) and ``kernels`` (per entry point usage).
     """
