@@ -16,7 +16,7 @@ _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
               kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False,
-              backend="auto"):
+              precision="highest", backend="auto"):
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -59,6 +59,11 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         ``c > 0``: scores become ``c * tanh(s / c)`` before `bias` and ALiBi are added.
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
+    precision : {"highest", "tf32"}, optional
+        ``"highest"`` (default) computes in the accumulation dtype. ``"tf32"``, for float32
+        inputs only, allows the CUDA engine to use TF32 tensor cores (inputs rounded to a
+        10-bit mantissa); engines without such a path compute in full float32, which is at
+        least as accurate.
     backend : {"auto", "numpy", "cupy", "emulate"}, optional
         ``"auto"`` picks the engine of the array library of the inputs: NumPy arrays run on
         the NumPy engine, CuPy arrays on the CUDA engine. ``"emulate"`` runs the CUDA kernels
@@ -79,7 +84,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         libraries, or a `backend` that does not take the inputs' library.
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
-        `scale` or `softcap` that is not finite (or ``softcap <= 0``), an unknown `backend`.
+        `scale` or `softcap` that is not finite (or ``softcap <= 0``), an unknown `backend`
+        or `precision`, ``precision="tf32"`` with inputs other than float32.
 
     See Also
     --------
@@ -118,7 +124,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     problem = _validate.validate_attention(
         q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
         kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
-        return_lse=return_lse, backend=backend,
+        return_lse=return_lse, precision=precision, backend=backend,
     )
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
     out, lse = engine.attention(problem)

@@ -20,6 +20,9 @@ __all__ = ["BACKENDS", "Problem", "array_namespace", "validate_attention", "vali
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
 BACKENDS = ("auto", "numpy", "cupy", "emulate")
+#: Values of ``precision=``: "highest" computes in the accumulation dtype; "tf32" lets the
+#: CUDA engine use TF32 tensor cores for float32 inputs.
+PRECISIONS = ("highest", "tf32")
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
@@ -47,6 +50,7 @@ class Problem:
     window: tuple              # (left, right), causal folded in; None = unbounded side
     softcap: float | None
     return_lse: bool
+    precision: str             # "highest" or "tf32" (float32 inputs only)
     q: Any                     # batch_shape + (lq, d)
     k: Any                     # batch_shape + (lk, d)
     v: Any                     # batch_shape + (lk, dv)
@@ -201,7 +205,7 @@ def _check_matrix(x, name, dims):
 
 def validate_attention(
     q, k, v, *, scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap,
-    return_lse, backend,
+    return_lse, backend, precision="highest",
 ) -> Problem:
     """Check the arguments of :func:`cuonline.attention` and build its :class:`Problem`."""
     xp = array_namespace(
@@ -245,6 +249,12 @@ def validate_attention(
     acc = _semantics.accumulation_dtype(dtype)
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _check_real(scale, "scale")
     softcap = None if softcap is None else _check_real(softcap, "softcap", positive=True)
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(
+            f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}"
+        )
+    if precision == "tf32" and dtype != np.float32:
+        raise ValueError(f"precision='tf32' applies to float32 inputs, got {dtype.name}")
     causal = _check_bool(causal, "causal")
     return_lse = _check_bool(return_lse, "return_lse")
     window = _semantics.effective_window(causal, _check_window(window))
@@ -286,7 +296,7 @@ def validate_attention(
     return Problem(
         xp=xp, backend=backend, batch_shape=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
         acc_dtype=acc, scale=scale, causal=causal, window=window, softcap=softcap,
-        return_lse=return_lse,
+        return_lse=return_lse, precision=precision,
         q=xp.broadcast_to(q, batch + (lq, d)),
         k=xp.broadcast_to(k, batch + (lk, d)),
         v=xp.broadcast_to(v, batch + (lk, dv)),

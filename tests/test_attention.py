@@ -146,3 +146,10 @@ def test_split_keys_for_few_queries(rng, monkeypatch):
     check(q, k, v)
     check(q, k, v, causal=True, kv_lengths=np.array(700))
     check(q, k, v, mask=rng.random((3, 1000)) < 0.01)
+
+
+def test_tf32_precision_on_the_numpy_engine_is_full_float32(rng):
+    # the NumPy engine has no TF32 path: precision="tf32" may only make results more exact
+    q, k, v = data(rng, (2,), (2,), 40, 70, 16, 8, np.float32)
+    np.testing.assert_array_equal(cuonline.attention(q, k, v, precision="tf32"),
+                                  cuonline.attention(q, k, v))
