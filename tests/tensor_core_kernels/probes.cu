@@ -1,0 +1,86 @@
+// Small probes of single helpers (tests/test_tensor_core.py): ldmatrix's lane <-> element map,
+// to_tf32's rounding, the swizzle's offsets, cp.async's zero-fill and group semantics.
+
+namespace tcp {
+using namespace cuonline::tc;
+
+// The probe's shared tile: 32 rows of 8 16-bit values (16 bytes each).
+template <int kNum, bool kTrans>
+__device__ __forceinline__ void probe(const unsigned short* sm, const int* rows, unsigned* out) {
+    unsigned r[kNum];
+    ldmatrix<kNum, kTrans>(r, sm + 8 * rows[threadIdx.x]);
+    for (int i = 0; i < kNum; ++i) out[threadIdx.x * 4 + i] = r[i];
+}
+}  // namespace tcp
+
+// src: (32, 8) 16-bit values; rows[lane]: the tile row whose address lane supplies;
+// out: (6, 32, 4) registers of x1, x2, x4, x1.trans, x2.trans, x4.trans (unused slots untouched).
+extern "C" __global__ void tc_ldmatrix_probe(const unsigned short* src, const int* rows,
+                                             unsigned* out) {
+    __shared__ __align__(16) unsigned short sm[32 * 8];
+    for (int i = threadIdx.x; i < 32 * 8; i += 32) sm[i] = src[i];
+    __syncthreads();
+    tcp::probe<1, false>(sm, rows, out + 0 * 128);
+    tcp::probe<2, false>(sm, rows, out + 1 * 128);
+    tcp::probe<4, false>(sm, rows, out + 2 * 128);
+    tcp::probe<1, true>(sm, rows, out + 3 * 128);
+    tcp::probe<2, true>(sm, rows, out + 4 * 128);
+    tcp::probe<4, true>(sm, rows, out + 5 * 128);
+}
+
+extern "C" __global__ void tc_to_tf32(const float* x, unsigned* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = cuonline::tc::to_tf32(x[i]);
+}
+
+// out[(c * 16 + row) * 256 + col] = Swizzle<kCols, kElemBytes>::offset(row, col) for 16 rows of
+// each configuration c (columns past kCols untouched).
+extern "C" __global__ void tc_swizzle_offsets(int* out) {
+    using cuonline::tc::Swizzle;
+    for (int i = threadIdx.x; i < 16 * 256; i += blockDim.x) {
+        const int row = i / 256, col = i % 256;
+        int* o = out + row * 256 + col;
+        if (col < 8) o[0 * 4096] = Swizzle<8, 2>::offset(row, col);
+        if (col < 16) o[1 * 4096] = Swizzle<16, 2>::offset(row, col);
+        if (col < 32) o[2 * 4096] = Swizzle<32, 2>::offset(row, col);
+        if (col < 64) o[3 * 4096] = Swizzle<64, 2>::offset(row, col);
+        if (col < 128) o[4 * 4096] = Swizzle<128, 2>::offset(row, col);
+        o[5 * 4096] = Swizzle<256, 2>::offset(row, col);
+        if (col < 32) o[6 * 4096] = Swizzle<32, 4>::offset(row, col);
+        if (col < 16) o[7 * 4096] = Swizzle<16, 8>::offset(row, col);
+    }
+}
+
+// Lane l copies 16 bytes from src + 16 l with src-size l % 17 into shared memory; out gets the
+// shared bytes after cp_async_wait_all and a barrier.
+extern "C" __global__ void tc_cp_async_zfill(const unsigned char* src, unsigned char* out) {
+    __shared__ __align__(16) unsigned char sm[32 * 16];
+    const int l = threadIdx.x;
+    cuonline::tc::cp_async_16(sm + 16 * l, src + 16 * l, l % 17);
+    cuonline::tc::cp_async_wait_all();
+    __syncthreads();
+    for (int i = 0; i < 16; ++i) out[16 * l + i] = sm[16 * l + i];
+}
+
+// Two groups (stage 0: src[0:128], stage 1: src[128:256]); after wait_group 1 and a barrier
+// stage 0 is complete and is written to out[0:128]. `read_early`: stage 1 is also read then,
+// before its wait (a race on the GPU; NaN under the emulation); otherwise after wait_group 0.
+extern "C" __global__ void tc_cp_async_groups(const float* src, float* out, int read_early) {
+    __shared__ __align__(16) float s0[128];
+    __shared__ __align__(16) float s1[128];
+    const int l = threadIdx.x;
+    cuonline::tc::cp_async_16(s0 + 4 * l, src + 4 * l);
+    cuonline::tc::cp_async_commit();
+    cuonline::tc::cp_async_16(s1 + 4 * l, src + 128 + 4 * l);
+    cuonline::tc::cp_async_commit();
+    cuonline::tc::cp_async_wait<1>();
+    __syncthreads();
+    for (int i = l; i < 128; i += 32) out[i] = s0[i];
+    if (!read_early) {
+        cuonline::tc::cp_async_wait<0>();
+        __syncthreads();
+    }
+    for (int i = l; i < 128; i += 32) out[128 + i] = s1[i];
+    __syncthreads();                    // every lane has read s1 before any copy lands
+    cuonline::tc::cp_async_wait<0>();  // leave no copy in flight (see cp_async_wait_all)
+}
