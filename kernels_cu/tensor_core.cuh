@@ -337,6 +337,7 @@ __device__ __forceinline__ void ldmatrix(unsigned (&r)[kNum], const void* row) {
 #else
     // Exchange the row addresses; lane (g, t) reads, for matrix i, the 32 bits at column 2t of
     // row g, or (.trans) column g of rows 2t and 2t+1.
+    // (memcpy: the tile may have been written as __half, float or bytes.)
     const unsigned long long mine = (unsigned long long)row;
     if (mine & 15u) __trap();  // a misaligned row address is an error on the GPU too
     const int lane = emu::lane_id(), g = lane >> 2, t = lane & 3;
@@ -344,12 +345,13 @@ __device__ __forceinline__ void ldmatrix(unsigned (&r)[kNum], const void* row) {
         if constexpr (kTrans) {
             const unsigned long long p0 = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + 2 * t);
             const unsigned long long p1 = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + 2 * t + 1);
-            const unsigned short lo = reinterpret_cast<const unsigned short*>(p0)[g];
-            const unsigned short hi = reinterpret_cast<const unsigned short*>(p1)[g];
+            unsigned short lo, hi;
+            std::memcpy(&lo, reinterpret_cast<const char*>(p0) + 2 * g, 2);
+            std::memcpy(&hi, reinterpret_cast<const char*>(p1) + 2 * g, 2);
             r[i] = (unsigned)lo | ((unsigned)hi << 16);
         } else {
             const unsigned long long p = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + g);
-            r[i] = reinterpret_cast<const unsigned*>(p)[t];
+            std::memcpy(&r[i], reinterpret_cast<const char*>(p) + 4 * t, 4);
         }
     }
 #endif
@@ -462,9 +464,9 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Commit the open group and wait for all copies (cp.async.wait_all). A kernel should retire
-// all its copies before it exits: the emulation drops the copies a thread left pending only
-// when that thread slot next issues one in another block (of any later launch).
+// Commit the open group and wait for all copies (cp.async.wait_all). Retire every copy before
+// the kernel exits: the emulation drops a thread's leftover copies when that thread index next
+// uses cp.async in another block, but a later launch at the same block index would land them.
 __device__ __forceinline__ void cp_async_wait_all() {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -484,8 +486,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // different 16-byte bank groups of a 128-byte line. A chunk stays contiguous and 16-byte
 // aligned, so cp_async_16 and ldmatrix rows address it whole.
 //   kRowChunks = kCols * kElemBytes / 16 must be a power of two (16-bit elements: kCols in
-//   8, 16, 32, 64, 128, 256). Other widths (D = 96) use a padded row stride of an odd number
-//   of chunks instead, which is also conflict-free.
+//   8, 16, 32, 64, 128, 256). Other widths (D = 96) take PaddedRows (below); SmemTile picks.
 template <int kCols, int kElemBytes>
 struct Swizzle {
     static constexpr int kChunkElems = 16 / kElemBytes;
@@ -496,6 +497,7 @@ struct Swizzle {
     // Rows that share one 128-byte line, and the XOR mask (at most 3 bits: 8 bank groups).
     static constexpr int kRowsPerLine = kRowChunks >= 8 ? 1 : 8 / kRowChunks;
     static constexpr int kMask = (kRowChunks >= 8 ? 8 : kRowChunks) - 1;
+    static constexpr int kStride = kCols;  // elements per stored row (no padding)
 
     // Physical chunk of logical chunk `chunk` in row `row`.
     __device__ __forceinline__ static int chunk(int row, int chunk) {
@@ -506,6 +508,31 @@ struct Swizzle {
         return row * kCols + chunk(row, col / kChunkElems) * kChunkElems + col % kChunkElems;
     }
 };
+
+// Rows padded to an odd number of 16-byte chunks: the same 8-rows-in-8-bank-groups property for
+// widths the swizzle cannot take (D = 96: 12 chunks -> a 13-chunk stride). Costs the padding.
+template <int kCols, int kElemBytes>
+struct PaddedRows {
+    static constexpr int kChunkElems = 16 / kElemBytes;
+    static constexpr int kRowChunks = kCols / kChunkElems;
+    static_assert(kCols % kChunkElems == 0, "a row must be whole 16-byte chunks");
+    static constexpr int kStride = (kRowChunks | 1) * kChunkElems;  // elements per stored row
+
+    __device__ __forceinline__ static int offset(int row, int col) { return row * kStride + col; }
+};
+
+namespace detail {
+template <bool kFirst, class A, class B> struct Select { typedef A type; };
+template <class A, class B> struct Select<false, A, B> { typedef B type; };
+__host__ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+}  // namespace detail
+
+// The conflict-free layout of a (rows, kCols) tile: swizzled when the row is a power-of-two
+// number of chunks, else padded. Both give offset(row, col) and kStride (elements per row).
+template <int kCols, int kElemBytes>
+using SmemTile = typename detail::Select<detail::is_pow2(kCols * kElemBytes / 16),
+                                         Swizzle<kCols, kElemBytes>,
+                                         PaddedRows<kCols, kElemBytes>>::type;
 
 }  // namespace tc
 }  // namespace cuonline

@@ -236,25 +236,32 @@ def check_ldmatrix(texts=None, entries=None, seed=5):
     return float(wrong), 0.0
 
 
-SWIZZLE_CONFIGS = [(8, 2), (16, 2), (32, 2), (64, 2), (128, 2), (256, 2), (32, 4), (16, 8)]
+# (columns, element bytes, expected stride) of each layout written by tc_swizzle_offsets
+LAYOUTS = [(8, 2, 8), (16, 2, 16), (32, 2, 32), (64, 2, 64), (128, 2, 128), (256, 2, 256),
+           (32, 4, 32), (16, 8, 16), (96, 2, 104), (40, 2, 40), (24, 4, 28), (64, 2, 64)]
 
 
 def check_swizzle(texts=None, entries=None):
-    """Number of violated properties (tolerance 0): per row a permutation of whole 16-byte
-    chunks within the row; 8 consecutive rows at one logical chunk hit 8 different 16-byte bank
-    groups (an ldmatrix phase, or 8 lanes' 16-byte accesses, without conflicts)."""
-    out = np.full((len(SWIZZLE_CONFIGS), 16, 256), -1, np.int32)
+    """Number of violated properties (tolerance 0) of the shared-memory tile layouts: rows
+    stored at their stride without overlap, 16-byte chunks kept whole and aligned, and 8
+    consecutive rows at one logical chunk in 8 different 16-byte bank groups (an ldmatrix
+    phase, or 8 lanes' 16-byte accesses, without bank conflicts)."""
+    out = np.full((len(LAYOUTS), 16, 256), -1, np.int32)
+    stride = np.zeros(len(LAYOUTS), np.int32)
     module("probes.cu", texts, entries or ["tc_swizzle_offsets"]).get_function(
-        "tc_swizzle_offsets")((1,), (128,), (out,))
+        "tc_swizzle_offsets")((1,), (128,), (out, stride))
     bad = 0
-    for c, (cols, elem) in enumerate(SWIZZLE_CONFIGS):
-        off = out[c, :, :cols]
+    for c, (cols, elem, expected_stride) in enumerate(LAYOUTS):
+        off = out[c, :, :cols].astype(np.int64)
         per_chunk = 16 // elem
-        bad += int(not np.array_equal(np.sort(off, axis=1),
-                                      np.arange(16)[:, None] * cols + np.arange(cols)))
+        bad += int(stride[c] != expected_stride)
+        row_start = np.arange(16)[:, None] * stride[c]
+        bad += int(np.any(off < row_start) or np.any(off >= row_start + cols))
+        bad += int(np.unique(off).size != off.size)
         chunks = off.reshape(16, cols // per_chunk, per_chunk)
-        bad += int(np.any(chunks % per_chunk != np.arange(per_chunk)))       # chunk stays whole
-        groups = (chunks[:, :, 0] * elem // 16) % 8                           # bank group
+        bad += int(np.any(chunks - chunks[:, :, :1] != np.arange(per_chunk)))  # contiguous
+        bad += int(np.any(chunks[:, :, 0] % per_chunk))                         # aligned
+        groups = (chunks[:, :, 0] * elem // 16) % 8                             # bank group
         for r0 in (0, 8):
             for ch in range(groups.shape[1]):
                 bad += int(len(set(groups[r0:r0 + 8, ch])) != 8)
@@ -327,6 +334,15 @@ def test_ldmatrix_lane_map_all_variants():
 
 
 @needs_emulation
+def test_misaligned_ldmatrix_row_traps():
+    from cuonline.testing import emulate
+
+    fn = module("probes.cu").get_function("tc_ldmatrix_misaligned")
+    with pytest.raises(emulate.EmulationError, match="__trap"):
+        fn((1,), (32,), (np.zeros(32, np.uint32),))
+
+
+@needs_emulation
 def test_to_tf32_rounds_like_cvt_rna():
     special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, 3.4028235e38, -3.4028235e38,
                         1e-45, -1e-40, 1.17549435e-38], np.float32)
@@ -348,7 +364,7 @@ def test_to_tf32_rounds_like_cvt_rna():
 
 
 @needs_emulation
-def test_swizzle_is_a_conflict_free_chunk_permutation():
+def test_smem_layouts_are_conflict_free():
     bad, _ = check_swizzle(entries=ALL)
     assert bad == 0
 

@@ -33,22 +33,30 @@ extern "C" __global__ void tc_to_tf32(const float* x, unsigned* out, int n) {
     if (i < n) out[i] = cuonline::tc::to_tf32(x[i]);
 }
 
-// out[(c * 16 + row) * 256 + col] = Swizzle<kCols, kElemBytes>::offset(row, col) for 16 rows of
-// each configuration c (columns past kCols untouched).
-extern "C" __global__ void tc_swizzle_offsets(int* out) {
+// out[(c * 16 + row) * 256 + col] = L::offset(row, col) for 16 rows of each layout c (columns
+// past its width untouched) and stride[c] = L::kStride, for the layouts listed in the test.
+template <class L, int kCols>
+__device__ __forceinline__ void layout_probe(int* out, int* stride, int c) {
+    for (int i = threadIdx.x; i < 16 * kCols; i += blockDim.x)
+        out[c * 4096 + (i / kCols) * 256 + i % kCols] = L::offset(i / kCols, i % kCols);
+    if (threadIdx.x == 0) stride[c] = L::kStride;
+}
+
+extern "C" __global__ void tc_swizzle_offsets(int* out, int* stride) {
+    using cuonline::tc::SmemTile;
     using cuonline::tc::Swizzle;
-    for (int i = threadIdx.x; i < 16 * 256; i += blockDim.x) {
-        const int row = i / 256, col = i % 256;
-        int* o = out + row * 256 + col;
-        if (col < 8) o[0 * 4096] = Swizzle<8, 2>::offset(row, col);
-        if (col < 16) o[1 * 4096] = Swizzle<16, 2>::offset(row, col);
-        if (col < 32) o[2 * 4096] = Swizzle<32, 2>::offset(row, col);
-        if (col < 64) o[3 * 4096] = Swizzle<64, 2>::offset(row, col);
-        if (col < 128) o[4 * 4096] = Swizzle<128, 2>::offset(row, col);
-        o[5 * 4096] = Swizzle<256, 2>::offset(row, col);
-        if (col < 32) o[6 * 4096] = Swizzle<32, 4>::offset(row, col);
-        if (col < 16) o[7 * 4096] = Swizzle<16, 8>::offset(row, col);
-    }
+    layout_probe<Swizzle<8, 2>, 8>(out, stride, 0);
+    layout_probe<Swizzle<16, 2>, 16>(out, stride, 1);
+    layout_probe<Swizzle<32, 2>, 32>(out, stride, 2);
+    layout_probe<Swizzle<64, 2>, 64>(out, stride, 3);
+    layout_probe<Swizzle<128, 2>, 128>(out, stride, 4);
+    layout_probe<Swizzle<256, 2>, 256>(out, stride, 5);
+    layout_probe<Swizzle<32, 4>, 32>(out, stride, 6);
+    layout_probe<Swizzle<16, 8>, 16>(out, stride, 7);
+    layout_probe<SmemTile<96, 2>, 96>(out, stride, 8);   // padded: 12 chunks -> stride 13
+    layout_probe<SmemTile<40, 2>, 40>(out, stride, 9);   // padded: 5 chunks, already odd
+    layout_probe<SmemTile<24, 4>, 24>(out, stride, 10);  // padded: 6 chunks -> stride 7
+    layout_probe<SmemTile<64, 2>, 64>(out, stride, 11);  // a power of two: the swizzle
 }
 
 // Lane l copies 16 bytes from src + 16 l with src-size l % 17 into shared memory; out gets the
@@ -83,4 +91,14 @@ extern "C" __global__ void tc_cp_async_groups(const float* src, float* out, int 
     for (int i = l; i < 128; i += 32) out[128 + i] = s1[i];
     __syncthreads();                    // every lane has read s1 before any copy lands
     cuonline::tc::cp_async_wait<0>();  // leave no copy in flight (see cp_async_wait_all)
+}
+
+// Row addresses 2 bytes past 16-byte alignment: a fault on the GPU, a __trap in the emulation.
+extern "C" __global__ void tc_ldmatrix_misaligned(unsigned* out) {
+    __shared__ __align__(16) unsigned short sm[32 * 8 + 8];
+    for (int i = threadIdx.x; i < 32 * 8 + 8; i += 32) sm[i] = (unsigned short)i;
+    __syncthreads();
+    unsigned r[1];
+    cuonline::tc::ldmatrix_x1(r, sm + 8 * threadIdx.x + 1);
+    out[threadIdx.x] = r[0];
 }

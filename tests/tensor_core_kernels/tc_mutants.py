@@ -73,8 +73,8 @@ MUTANTS = {
     # Emulated ldmatrix (no .trans): matrices handed out in reverse register order.
     "ldmatrix_register_order": Mutant(
         "tensor_core.cuh",
-        "r[i] = reinterpret_cast<const unsigned*>(p)[t];",
-        "r[kNum - 1 - i] = reinterpret_cast<const unsigned*>(p)[t];",
+        "std::memcpy(&r[i], reinterpret_cast<const char*>(p) + 4 * t, 4);",
+        "std::memcpy(&r[kNum - 1 - i], reinterpret_cast<const char*>(p) + 4 * t, 4);",
         "ldmatrix_probe",
         "ldmatrix register order",
     ),
