@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import emulation_available
+from conftest import emulation_available, gpu_available
 
 from cuonline.kernels import nvrtc, source
 
@@ -82,14 +82,51 @@ def kernel_source(kernel_file: str, texts: dict | None = None, entries=ALL) -> s
 
 _modules: dict = {}
 
+# Where the checks run: "emulate" (the CPU emulation), or "cupy" for the one run on a GPU that
+# confirms the emulated layouts (test_same_checks_on_gpu sets it).
+BACKEND = {"name": "emulate"}
+
+
+class _GpuKernel:
+    """A cupy.RawKernel called like an EmulatedKernel: NumPy arrays in, results copied back."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        import cupy
+
+        dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        self.fn(grid, block, tuple(dev), shared_mem=shared_mem)
+        cupy.cuda.Device().synchronize()
+        for host, d in zip(args, dev):
+            if isinstance(host, np.ndarray) and host.flags.writeable:
+                host[...] = d.get()
+
+
+class _GpuModule:
+    def __init__(self, text):
+        import cupy
+
+        options = tuple(o for o in nvrtc.compile_options("sm_90", verbose=False)
+                        if not o.startswith("-arch"))
+        self.mod = cupy.RawModule(code=text, options=options)
+
+    def get_function(self, name):
+        return _GpuKernel(self.mod.get_function(name))
+
 
 def module(kernel_file: str, texts: dict | None = None, entries=ALL):
-    from cuonline.testing import emulate
-
     text = kernel_source(kernel_file, texts, entries)
-    if text not in _modules:
-        _modules[text] = emulate.compile_module(text)
-    return _modules[text]
+    key = (BACKEND["name"], text)
+    if key not in _modules:
+        if BACKEND["name"] == "cupy":
+            _modules[key] = _GpuModule(text)
+        else:
+            from cuonline.testing import emulate
+
+            _modules[key] = emulate.compile_module(text)
+    return _modules[key]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,9 +166,11 @@ def rel_err(got, ref) -> float:
 # Checks: each returns (error, tolerance); the tests assert error <= tolerance, the mutant tests
 # assert the opposite (NaN counts as failing).
 
-# f16/bf16 products are exact in float32 and summed there over K = 64: a few float32 ulp of the
-# largest partial sums, far below the 1e-3 the field quotes for 16-bit inputs with f32 sums.
-TOL_F32_SUM = 1e-5
+# f16/bf16 (and tf32) products are exact in float32 and summed there over K <= 64: a few float32
+# ulp of the largest partial sums (~4e-7 measured under the emulation). The margin is for the
+# tensor cores' adders, which are not IEEE-exact; still far below the 1e-3 the field quotes for
+# 16-bit inputs with f32 sums, and 4 orders below the errors of a wrong layout (~1).
+TOL_F32_SUM = 1e-4
 M16, N16, K16 = 16, 32, 64
 
 
@@ -405,6 +444,46 @@ def test_mutant_layout_fails(name):
     assert not err <= tol, (
         f"mutant {name} ({m.why}) passed check {m.check}: error {err:.3g} <= {tol:.3g}"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the same kernels and checks on real tensor cores (the one check the emulation cannot make)
+
+GPU_CHECKS = {
+    **{f"gemm16_{dt}_{bf}_k{kv}": (lambda dt=dt, bf=bf, kv=kv: check_gemm16(
+        dtype=dt, b_form=bf, k_valid=kv, entries=ALL))
+       for dt in ("f16", "bf16") for bf in ("nk", "kn") for kv in (64, 37)},
+    "chain_f16": lambda: check_chain(dtype="f16", entries=ALL),
+    "chain_bf16": lambda: check_chain(dtype="bf16", entries=ALL),
+    "gemm_tf32": lambda: check_tf32(entries=ALL),
+    "gemm_f64": lambda: check_f64(entries=ALL),
+    "ldmatrix_probe": lambda: check_ldmatrix(entries=ALL),
+    "smem_layouts": lambda: check_swizzle(entries=ALL),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_available() is not None, reason=f"no GPU: {gpu_available()}")
+@pytest.mark.parametrize("name", sorted(GPU_CHECKS))
+def test_same_checks_on_gpu(name):
+    BACKEND["name"] = "cupy"
+    try:
+        err, tol = GPU_CHECKS[name]()
+    finally:
+        BACKEND["name"] = "emulate"
+    assert err <= tol, f"{name} on the GPU: {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_available() is not None, reason=f"no GPU: {gpu_available()}")
+def test_tf32_rounding_and_bound_on_gpu():
+    BACKEND["name"] = "cupy"
+    try:
+        test_to_tf32_rounds_like_cvt_rna()
+        test_tf32_error_bound_against_float32_inputs()
+        test_cp_async_zero_fill()
+    finally:
+        BACKEND["name"] = "emulate"
 
 
 # ------------------------------------------------------------------------------------------------
