@@ -31,10 +31,11 @@
 //   ldmatrix_xN[_trans]: N 8x8 matrices of 16-bit elements; lane 8i+r supplies the (16-byte
 //     aligned, shared-memory) address of row r of matrix i. Register i of lane (g, t) receives
 //     M_i[g][2t, 2t+1], or with .trans M_i[2t][g], M_i[2t+1][g].
-//     Hence: x4 on the rows (lane % 16) at columns 8 * (lane / 16) of a row-major 16x16 tile
-//     gives the A fragment of m16n8k16; x2 on 8 rows of an (n, k) row-major tile (K for Q K^T)
-//     gives the B fragment without .trans; on 16 rows of a (k, n) row-major tile (V for P V)
-//     it needs .trans.
+//     Hence, for m16n8k16: x4 with lane -> (row lane % 16, column 8 * (lane / 16)) of a
+//     row-major 16x16 tile gives the A fragment; x2 with lane -> (row n0 + lane % 8, column
+//     k0 + 8 * (lane / 8 % 2)) of an (n, k) row-major tile (K, for Q K^T) gives the B fragment
+//     without .trans; x2 .trans with lane -> (row k0 + lane % 16, column n0) of a (k, n)
+//     row-major tile (V, for P V) gives it with .trans. x4 forms load two n-tiles at once.
 
 namespace cuonline {
 namespace tc {
