@@ -6,9 +6,10 @@
 Prints throughput (GFLOP/s, counting 4 * Lq * Lk * D per head, halved when causal) and the
 peak extra memory that tracemalloc sees (NumPy's allocations; torch's own allocator is not
 traced, so its column reads near 0), for each engine side by side; a ratio line gives
-cuonline / torch from the same run. Naive NumPy (softmax(q k^T) v with the scores
-materialised) is skipped where its score matrix would exceed --naive-limit-gib. torch is used
-when importable. Finally it runs cuonline alone at --memory-length to show the memory bound.
+cuonline / torch from the same run. ``cuonline-blas`` is the same engine without its thread
+pool (one task at a time, BLAS threading itself), the alternative the pool was measured
+against. Naive NumPy (softmax(q k^T) v with the scores materialised) is skipped where its
+score matrix would exceed --naive-limit-gib. torch is used when importable. Finally it runs cuonline alone at --memory-length to show the memory bound.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ def naive(q, k, v, causal):
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return s @ v
+
+
+def blas_threaded(q, k, v, causal):
+    """cuonline's NumPy engine without its thread pool: tasks in one thread, BLAS threading
+    itself. The design alternative the pool is measured against."""
+    from cuonline.engines import numpy as numpy_engine
+
+    saved = numpy_engine.workers
+    numpy_engine.workers = lambda: 1
+    try:
+        return cuonline.attention(q, k, v, causal=causal)
+    finally:
+        numpy_engine.workers = saved
 
 
 def torch_sdpa():
@@ -79,6 +93,7 @@ def main():
     torch_run = torch_sdpa()
     engines = {
         "cuonline": lambda q, k, v, c: cuonline.attention(q, k, v, causal=c),
+        "cuonline-blas": blas_threaded,
         "naive-numpy": naive,
     }
     if torch_run is not None:
@@ -87,7 +102,7 @@ def main():
 
     print(f"H={args.heads} D={args.dim} float32 causal={args.causal}; {workers()} cores; "
           f"torch {'found' if torch_run else 'not installed'}")
-    print(f"{'N':>6} {'engine':<12} {'GFLOP/s':>9} {'peak MiB':>10}")
+    print(f"{'N':>6} {'engine':<13} {'GFLOP/s':>9} {'peak MiB':>10}")
     rng = np.random.default_rng(0)
     for n in args.lengths:
         q, k, v = (rng.standard_normal((args.heads, n, args.dim), dtype=np.float32)
@@ -96,14 +111,14 @@ def main():
         results = {}
         for name, fn in engines.items():
             if name == "naive-numpy" and args.heads * n * n * 4 / 2**30 > args.naive_limit_gib:
-                print(f"{n:>6} {name:<12} {'skipped: scores would need':>20} "
+                print(f"{n:>6} {name:<13} {'skipped: scores would need':>20} "
                       f"{args.heads * n * n * 4 / 2**30:.0f} GiB")
                 continue
             seconds, peak = measure(lambda: fn(q, k, v, args.causal), args.repeat)
             results[name] = flops / seconds / 1e9
-            print(f"{n:>6} {name:<12} {results[name]:>9.1f} {peak / 2**20:>10.1f}")
+            print(f"{n:>6} {name:<13} {results[name]:>9.1f} {peak / 2**20:>10.1f}")
         if "torch-sdpa" in results:
-            print(f"{n:>6} {'ratio':<12} cuonline / torch = "
+            print(f"{n:>6} {'ratio':<13} cuonline / torch = "
                   f"{results['cuonline'] / results['torch-sdpa']:.2f}")
 
     n = args.memory_length
