@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import conftest
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +58,19 @@ def test_demo_runs_and_reports_a_small_error():
     assert "engine" in out and "(2, 300, 64) float32" in out
     error = float(out.split("max |error| :")[1].split()[0])
     assert error < 1e-5
+
+
+def test_unpacked_wheel_runs_the_emulated_kernels_from_its_package_data(wheel, tmp_path):
+    """The wheel alone (no source tree on the path) finds kernels_cu/ and the emulation header."""
+    if conftest.emulation_available():
+        pytest.skip(conftest.emulation_available())
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (
+        "import numpy as np, cuonline, pathlib; "
+        f"assert pathlib.Path(cuonline.__file__).is_relative_to({str(site)!r}); "
+        "x = np.random.default_rng(0).standard_normal((2, 33, 8)).astype(np.float32); "
+        "err = np.abs(cuonline.attention(x, x, x, backend='emulate') - cuonline.attention(x, x, x)); "
+        "assert err.max() < 1e-5, err.max()"
+    )
+    run("-c", code, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
