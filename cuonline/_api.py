@@ -12,6 +12,8 @@ __all__ = ["attention", "merge", "softmax", "log_softmax", "logsumexp"]
 
 # backend name -> module under cuonline.engines implementing ``attention(problem)``
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
+#: backends that run the softmax family on cuonline's CUDA kernels (cuonline.engines.cuda_softmax)
+_CUDA_BACKENDS = ("cupy", "emulate")
 
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
@@ -201,20 +203,31 @@ def softmax(x, axis=-1, *, mask=None, backend="auto"):
     axis : int, optional
         The axis to normalise over. Default: the last.
     mask : bool array, optional
-        Broadcastable to ``x.shape``; ``False`` entries are left out (weight 0).
-    backend : {"auto", "numpy", "cupy"}, optional
-        As in :func:`attention`.
+        Broadcastable to ``x.shape``; ``False`` entries are left out (weight 0). Read through
+        its broadcast strides, never expanded.
+    backend : {"auto", "numpy", "cupy", "emulate"}, optional
+        As in :func:`attention`: CuPy arrays run on cuonline's CUDA kernel, NumPy arrays on
+        NumPy; ``"emulate"`` runs the CUDA kernel on the CPU with NumPy arrays (testing).
 
     Returns
     -------
     array
         Same shape, dtype and library as `x`. A slice with no visible entry (all masked or all
-        ``-inf``) gives zeros, without a warning.
+        ``-inf``) gives zeros, without a warning. A slice holding NaN or ``+inf`` gives NaN.
 
     Notes
     -----
     :math:`\mathrm{softmax}(x)_j = e^{x_j - m} / \sum_{j'} e^{x_{j'} - m}` with
-    :math:`m = \max_j x_j`, computed in float32 for 16-bit inputs.
+    :math:`m = \max_j x_j`, computed in float32 for 16-bit inputs. The CUDA kernel finds
+    :math:`m` and :math:`l = \sum_j e^{x_j - m}` in one pass over the slice with the online
+    normalizer [1]_ (on a larger maximum :math:`m'`, :math:`l` is rescaled by
+    :math:`e^{m - m'}`; exponentials in base 2 with :math:`\log_2 e` folded in), merges the
+    partial states of its threads, then writes :math:`e^{x_j - m} / l` in a second pass.
+
+    References
+    ----------
+    .. [1] M. Milakov and N. Gimelshein, "Online normalizer calculation for softmax",
+       arXiv:1805.02867, 2018.
 
     Examples
     --------
@@ -223,6 +236,8 @@ def softmax(x, axis=-1, *, mask=None, backend="auto"):
     array([0.5, 0.5, 0. ])
     """
     xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
+    if backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run("softmax", x, axis, mask, backend=backend)
     return _softmax.softmax(xp, x, axis, mask)
 
 
@@ -239,6 +254,8 @@ def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
     array([-0.69314718, -0.69314718])
     """
     xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
+    if backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run("log_softmax", x, axis, mask, backend=backend)
     return _softmax.log_softmax(xp, x, axis, mask)
 
 
@@ -265,14 +282,17 @@ def logsumexp(x, axis=-1, *, mask=None, keepdims=False, backend="auto"):
     """
     xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
     keepdims = _validate._check_bool(keepdims, "keepdims")
+    if backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run("logsumexp", x, axis, mask, backend=backend,
+                                   keepdims=keepdims)
     return _softmax.logsumexp(xp, x, axis, mask, keepdims)
 
 
 def _axis_call(x, axis, mask, backend):
-    xp, backend, x, axis, mask = _validate.validate_axis_input(x, axis, mask, backend)
-    if backend == "emulate":
-        raise ValueError(
-            "backend='emulate' is not available for the softmax family yet (it has no CUDA "
-            "kernel to emulate); use backend='auto'"
-        )
-    return xp, backend, x, axis, mask
+    """Validate a softmax-family call; ``backend`` comes back resolved ("auto" -> library)."""
+    return _validate.validate_axis_input(x, axis, mask, backend)
+
+
+def _cuda_softmax():
+    # imported on first use: the CUDA engine's modules are needed only for cupy/emulate
+    return importlib.import_module("cuonline.engines.cuda_softmax")

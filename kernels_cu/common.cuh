@@ -146,4 +146,60 @@ template <class Acc, int kCols> struct SoftmaxState {
     }
 };
 
+// ---------------------------------------------------------------------------------------------
+// Online normalizer of one row (Milakov & Gimelshein 2018), as used by the softmax family.
+//
+//   m : running maximum of the raw values seen so far (-inf: none yet)
+//   l : sum_j exp2((x_j - m) * scale_log2)
+// Unlike SoftmaxState, m stays in the units of the input: x - m is then exact for nearby
+// values, so inputs of magnitude 1e4 in float32 keep full relative precision (a log2-unit m
+// would round x * log2(e) to ~1e-3 there). Special values follow NumPy's max-then-exp:
+// -inf (or masked) adds 0; a row of only those keeps l = 0 and never forms (-inf) - (-inf);
+// NaN makes l NaN (max_ ignores it, exp2 does not); +inf makes l NaN through inf - inf.
+template <class Acc> struct OnlineNormalizer {
+    Acc m;
+    Acc l;
+
+    __device__ __forceinline__ void init() {
+        m = neg_inf(Acc());
+        l = Acc(0);
+    }
+
+    // Raise m to include `chunk_max`, rescale l by exp2((m_old - m_new) * scale_log2), and
+    // return the offset to subtract from the chunk's values before exp2: the new maximum, or 0
+    // while the row has seen nothing finite (its values are then -inf and exp2 gives 0).
+    __device__ __forceinline__ Acc rescale_to(Acc chunk_max, Acc scale_log2) {
+        const Acc m_new = max_(m, chunk_max);
+        const Acc m_use = (m_new == neg_inf(Acc())) ? Acc(0) : m_new;
+        l *= exp2_((m - m_use) * scale_log2);
+        m = m_new;
+        return m_use;
+    }
+
+    // Fold in another partial state (m2, l2) of the same row; commutative bit for bit (the
+    // sum of two products), so a butterfly leaves every lane with the same state.
+    __device__ __forceinline__ void merge(Acc m2, Acc l2, Acc scale_log2) {
+        const Acc m_new = max_(m, m2);
+        const Acc m_use = (m_new == neg_inf(Acc())) ? Acc(0) : m_new;
+        l = l * exp2_((m - m_use) * scale_log2) + l2 * exp2_((m2 - m_use) * scale_log2);
+        m = m_new;
+    }
+
+    // Merge the states of the lanes of one warp (butterfly: every lane ends with the result).
+    __device__ __forceinline__ void warp_merge(Acc scale_log2) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const Acc m2 = __shfl_xor_sync(CUONLINE_FULL_MASK, m, offset);
+            const Acc l2 = __shfl_xor_sync(CUONLINE_FULL_MASK, l, offset);
+            merge(m2, l2, scale_log2);
+        }
+    }
+
+    // log(sum_j exp(scale * x_j)) in natural-log units: -inf for an empty row, NaN stays NaN.
+    __device__ __forceinline__ Acc lse(Acc scale) const {
+        if (l == Acc(0)) return neg_inf(Acc());
+        return m * scale + log2_(l) * ln2(Acc());
+    }
+};
+
 }  // namespace cuonline

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import source
 from .heuristics import choose_tiles
-from .specs import KernelSpec
+from .specs import SOFTMAX_MODES, KernelSpec, SoftmaxSpec
 
 __all__ = ["CompileReport", "NvrtcUnavailable", "compile_source", "compile_spec",
            "cuda_include_dir", "listing", "listing_specs", "nvrtc_available"]
@@ -239,6 +239,7 @@ def listing_specs() -> list:
     Every dtype x D in {32, 64, 128, 256} (long sequences, no options), plus for float32 and
     float16 at D = 64 and 128: Dv != D, each feature flag alone, causal+everything, and the
     decoding shape (Lq = 1, split keys). Tile sizes come from the same heuristics as launches.
+    Then every variant of the softmax family (dtype x mode x mask).
     """
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
@@ -255,6 +256,12 @@ def listing_specs() -> list:
                                kv_lengths=True, alibi=True, softcap=True, return_lse=True))
     specs.append(_spec("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
                        kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    # softmax family: every variant (launch shapes are runtime parameters)
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        acc = "float64" if dtype == "float64" else "float32"
+        for mode in SOFTMAX_MODES:
+            for mask in (False, True):
+                specs.append(SoftmaxSpec(dtype=dtype, acc=acc, mode=mode, mask=mask))
     seen, unique = set(), []
     for s in specs:
         if s.key not in seen:

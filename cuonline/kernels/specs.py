@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["FEATURES", "KernelSpec", "MAX_HEAD_DIM", "dtype_tag"]
+__all__ = ["FEATURES", "KernelSpec", "MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
@@ -141,6 +141,73 @@ class KernelSpec:
     def entries(self) -> tuple:
         """Kernel symbols this variant defines."""
         return (self.entry, self.combine_entry)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: Modes of the softmax family: public function name -> (key tag, CUONLINE_SOFTMAX_MODE).
+SOFTMAX_MODES = {"softmax": ("softmax", 0), "log_softmax": ("logsoftmax", 1),
+                 "logsumexp": ("logsumexp", 2)}
+
+
+@dataclass(frozen=True)
+class SoftmaxSpec:
+    """One variant of the ``softmax`` family (``kernels_cu/softmax.cu``).
+
+    Attributes
+    ----------
+    dtype, acc : str
+        Element and accumulation dtype names.
+    mode : str
+        ``"softmax"``, ``"log_softmax"`` or ``"logsumexp"``.
+    mask : bool
+        A boolean mask is read (through its own strides).
+
+    Threads per row and rows per block are launch parameters, not compile-time ones: one
+    compiled variant serves every row length.
+    """
+
+    dtype: str
+    acc: str
+    mode: str
+    mask: bool = False
+
+    family = "softmax"
+    entry = "cuonline_softmax"
+    #: Largest block (``__launch_bounds__`` in softmax.cu).
+    threads = 256
+    #: No dynamic shared memory (the per-warp states are static).
+    shared_bytes = 0
+
+    def __post_init__(self):
+        if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
+            raise ValueError(f"unsupported dtype/acc pair {self.dtype}/{self.acc}")
+        if self.mode not in SOFTMAX_MODES:
+            raise ValueError(f"mode must be one of {tuple(SOFTMAX_MODES)}, got {self.mode!r}")
+
+    @property
+    def key(self) -> str:
+        """Readable unique name, e.g. ``softmax_f32_logsoftmax_mask``."""
+        parts = [self.family, dtype_tag(self.dtype), SOFTMAX_MODES[self.mode][0]]
+        if self.acc != ("float64" if self.dtype == "float64" else "float32"):
+            parts.append(f"acc{dtype_tag(self.acc)}")
+        if self.mask:
+            parts.append("mask")
+        return "_".join(parts)
+
+    def defines(self) -> dict:
+        """``#define`` name -> value, in a fixed order."""
+        return {
+            "CUONLINE_T": _C_TYPES[self.dtype],
+            "CUONLINE_ACC": _C_TYPES[self.acc],
+            "CUONLINE_SOFTMAX_MODE": SOFTMAX_MODES[self.mode][1],
+            "CUONLINE_HAS_MASK": int(self.mask),
+        }
+
+    def entries(self) -> tuple:
+        """Kernel symbols this variant defines."""
+        return (self.entry,)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
