@@ -81,3 +81,12 @@ def test_nan_propagates_to_its_slice_only():
     p = cuonline.softmax(x)
     assert np.all(np.isnan(p[0])) and np.all(np.isfinite(p[1]))
     assert np.isnan(cuonline.logsumexp(x)[0])
+
+
+def test_plus_inf_makes_its_slice_nan_without_warning():
+    x = np.array([[np.inf, 1.0], [1.0, 2.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = [f(x) for f in (cuonline.softmax, cuonline.log_softmax, cuonline.logsumexp)]
+    for r in results:
+        assert np.all(np.isnan(r[0])) and np.all(np.isfinite(r[1]))

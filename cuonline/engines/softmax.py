@@ -26,7 +26,8 @@ def stats(xp, x, axis, mask):
         return xa, xp.zeros(shape, dtype=acc), xp.zeros(shape, dtype=acc)
     top = xa.max(axis=axis, keepdims=True)
     shift = xp.where(top == -xp.inf, 0, top).astype(acc, copy=False)  # no -inf - (-inf)
-    total = xp.exp(xa - shift).sum(axis=axis, keepdims=True)
+    with _quiet(xp):                      # a +inf entry gives inf - inf = NaN, as documented
+        total = xp.exp(xa - shift).sum(axis=axis, keepdims=True)
     return xa, shift, total
 
 
