@@ -7,7 +7,9 @@ Run by ``benchmarks/gpu_check.sh`` on a machine with a CUDA GPU, CuPy and (optio
 For each dtype (float16, float32, float64), head dimension (64, 128), length N (1024, 4096,
 16384) and causal off/on it times, on one set of arrays shared through DLPack:
 
-* ``cuonline``: ``cuonline.attention`` on CuPy arrays (our kernels);
+* ``cuonline``: ``cuonline.attention`` on CuPy arrays (our kernels: tensor cores for float16
+  and float64, exact SIMT float32);
+* ``cuonline-tf32``: float32 only, ``precision="tf32"`` (TF32 tensor cores);
 * ``naive-cupy``: ``softmax(q k^T * scale) v`` in CuPy with the scores materialised, same dtype;
 * ``torch-<backend>``: ``scaled_dot_product_attention`` restricted to each SDPA backend (flash,
   efficient, cudnn, math) that accepts the case.
@@ -122,6 +124,9 @@ def run(args):
             "cuonline": lambda: cuonline.attention(q, k, v, causal=causal),
             "naive-cupy": lambda: naive(cupy, q, k, v, causal),
         }
+        if dtype == "float32":
+            engines["cuonline-tf32"] = lambda: cuonline.attention(q, k, v, causal=causal,
+                                                                  precision="tf32")
         if torch_fns:
             tq, tk, tv = (torch.from_dlpack(x)[None] for x in (q, k, v))   # (1, bh, n, d)
             for name, fn in torch_fns.items():

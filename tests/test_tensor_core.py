@@ -521,37 +521,10 @@ EXPECTED_PTX = {
 
 def compile_ptx(text: str, arch: str, name: str) -> tuple[str, str]:
     """(PTX, ptxas log) of one NVRTC compile, with the engine's options."""
-    options = list(nvrtc.compile_options(arch))
-    backend = nvrtc._backend()
-    if backend.kind == "cupy":
-        lib = backend.lib
-        prog = lib.createProgram(text, name, (), ())
-        try:
-            try:
-                lib.compileProgram(prog, options)
-            except lib.NVRTCError:
-                raise AssertionError(lib.getProgramLog(prog)) from None
-            ptx = lib.getPTX(prog)
-            return (ptx.decode() if isinstance(ptx, bytes) else ptx), lib.getProgramLog(prog)
-        finally:
-            lib.destroyProgram(prog)
-    lib = backend.lib                               # cuda-bindings
-    ok = lib.nvrtcResult.NVRTC_SUCCESS
-    _, prog = lib.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
     try:
-        opts = [o.encode() for o in options]
-        (err,) = lib.nvrtcCompileProgram(prog, len(opts), opts)
-        _, size = lib.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        lib.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\x00 ").decode(errors="replace")
-        assert err == ok, log
-        _, size = lib.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.rstrip(b"\x00").decode(), log
-    finally:
-        lib.nvrtcDestroyProgram(prog)
+        return nvrtc.compile_ptx(text, arch, name=name)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 @needs_nvrtc

@@ -1,8 +1,10 @@
 """The CUDA engine: our kernels on CuPy arrays (``backend="cupy"``) or emulated on the CPU with
 NumPy arrays (``backend="emulate"``).
 
-One code path for both: plan (pure heuristics) -> :class:`~cuonline.kernels.specs.KernelSpec`
--> source text -> module -> typed arguments -> launch. Only the module differs: a
+One code path for both: plan (pure heuristics) -> a kernel spec
+(:class:`~cuonline.kernels.specs.KernelSpec` for the SIMT family,
+:class:`~cuonline.kernels.specs.MmaSpec` for the tensor-core family; both take the same
+arguments) -> source text -> module -> typed arguments -> launch. Only the module differs: a
 ``cupy.RawModule`` compiled by NVRTC (memoized per device and spec; no ``name_expressions`` so
 CuPy's on-disk cache applies) or :func:`cuonline.testing.emulate.compile_module` of the very
 same text. CuPy is imported lazily: ``import cuonline`` never imports it.
@@ -16,7 +18,7 @@ import threading
 import numpy as np
 
 from ..kernels import heuristics, source
-from ..kernels.specs import MAX_HEAD_DIM
+from ..kernels.specs import MAX_HEAD_DIM, MmaSpec
 
 __all__ = ["attention"]
 
@@ -24,21 +26,25 @@ __all__ = ["attention"]
 UNBOUNDED = 1 << 60
 #: Operand order of the kernel's ``offsets`` (nbatch, 5) and ``strides`` (5, 2) arrays.
 OPERANDS = ("q", "k", "v", "bias", "mask")
-COMBINE_WARPS = 4  # kCombineWarps in attention_fwd.cu
+COMBINE_WARPS = 4  # kWarps in attention_combine.cuh
+#: cp.async moves 16-byte chunks: rows and data pointers must be aligned to this.
+CP_ASYNC_BYTES = 16
 
 _modules = {}
 _modules_lock = threading.Lock()
 
 
 def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
-              emulate_options=None):
+              emulate_options=None, family=None, arch=None):
     """Run :class:`cuonline._validate.Problem` ``problem``; return ``(out, lse or None)``.
 
     ``out`` has the dtype of the inputs and shape ``batch_shape + (lq, dv)``; ``lse`` the
     accumulation dtype and shape ``batch_shape + (lq,)``. The keyword arguments are seams for
     tests: ``num_sms`` and ``n_splits`` steer the planner, ``kernel_sources`` maps kernel file
     names to replacement texts (deliberately broken copies), ``emulate_options`` are passed to
-    :func:`cuonline.testing.emulate.compile_module` (``mode``, ``tsan``).
+    :func:`cuonline.testing.emulate.compile_module` (``mode``, ``tsan``), ``family`` forces
+    ``"attention_fwd"`` (SIMT) or ``"attention_mma"`` (tensor cores) and ``arch`` the tile
+    table (default: the current GPU's, ``"sm_90"`` under the emulation).
     """
     p = problem
     if p.backend not in ("cupy", "emulate"):
@@ -61,7 +67,10 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
 
     if num_sms is None:
         num_sms = _num_sms() if p.backend == "cupy" else heuristics.DEFAULT_NUM_SMS
-    plan = heuristics.plan_attention(p, num_sms=num_sms, n_splits=n_splits)
+    if arch is None:
+        arch = _arch() if p.backend == "cupy" else heuristics.DEFAULT_ARCH
+    plan = heuristics.plan_attention(p, num_sms=num_sms, n_splits=n_splits, arch=arch,
+                                     cp_async=cp_async_aligned(p), family=family)
     module = _module(plan.spec, p.backend, kernel_sources, emulate_options)
     return _launch(p, plan, module)
 
@@ -97,6 +106,12 @@ def _cupy_options():
     if include is not None:
         options.append(f"-I{include}")
     return tuple(options)
+
+
+def _arch():
+    import cupy  # noqa: PLC0415
+
+    return f"sm_{cupy.cuda.Device().compute_capability}"
 
 
 def _num_sms():
@@ -139,8 +154,33 @@ def _operand(xp, x, batch_shape):
     return x, offsets, (x.strides[-2] // itemsize, x.strides[-1] // itemsize)
 
 
+def _data_address(x) -> int:
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data
+    return int(x.data.ptr)  # cupy
+
+
+def cp_async_aligned(p) -> bool:
+    """Whether q, k and v can go global -> shared by 16-byte cp.async: unit column stride, and
+    the data pointer, every batch offset and the row stride whole multiples of 16 bytes (the
+    same views :func:`kernel_arguments` passes; a view needing a copy there is contiguous)."""
+    for name in ("q", "k", "v"):
+        x = getattr(p, name)
+        itemsize = x.dtype.itemsize
+        offsets = _element_offsets(x, p.batch_shape)
+        if offsets is None or x.strides[-1] != itemsize:
+            return False
+        chunk = CP_ASYNC_BYTES // itemsize
+        if _data_address(x) % CP_ASYNC_BYTES or (x.strides[-2] // itemsize) % chunk:
+            return False
+        if offsets.size and np.any(offsets % chunk):
+            return False
+    return True
+
+
 def kernel_arguments(p, plan, out, lse):
-    """The argument tuple of ``cuonline_attention_fwd``, in signature order, explicitly typed.
+    """The argument tuple of ``cuonline_attention_fwd`` (and of ``cuonline_attention_mma``, which
+    has the same signature), in signature order, explicitly typed.
 
     ``out``/``lse`` are the final outputs, or the split workspaces when ``plan.n_splits > 1``.
     """

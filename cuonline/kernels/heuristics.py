@@ -1,4 +1,5 @@
-"""Launch planning for the SIMT attention kernels: pure functions, testable without a GPU.
+"""Launch planning for the attention kernels (SIMT and tensor-core families): pure functions,
+testable without a GPU.
 
 Every choice has its reason next to it. The numbers are starting points for an H100/H200-class
 GPU (132 SMs, 228 KiB shared memory per SM, 64 K registers per SM); ``python -m cuonline kernels``
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import KernelSpec
+from .specs import MMA_MAX_HEAD_DIM, KernelSpec, MmaSpec
 
-__all__ = ["Plan", "choose_splits", "choose_tiles", "plan_attention"]
+__all__ = ["MMA_TILES", "Plan", "choose_mma_tiles", "choose_splits", "choose_tiles",
+           "plan_attention", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
 WARPS = 4
@@ -29,6 +31,34 @@ MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 256
 #: Grid x (query tiles x batch) must stay below the CUDA limit.
 MAX_GRID_X = 2**31 - 1
+#: Architecture assumed where none is known (the emulation, listings).
+DEFAULT_ARCH = "sm_90"
+#: Dynamic shared memory one block may opt into (sm_80: 163 KiB, sm_90: 227 KiB).
+SMEM_OPT_IN_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+#: Tensor-core family: (arch, dtype, D bucket) -> (warps, block_n, stages). The D bucket is the
+#: smallest of 32, 64, 128, 256 that holds max(D, Dv). A warp owns 16 query rows, so
+#: block_m = 16 * warps. Starting points derived from the shared-memory and register budgets
+#: (not yet measured on a GPU; `python -m cuonline kernels` shows what ptxas made of them):
+MMA_TILES = {}
+for _arch in ("sm_80", "sm_90"):
+    for _dt in ("float16", "bfloat16"):
+        # 16-bit: 64-key tiles, two K/V stages. Q (64 x D) + 2 x (K, V) (64 x D) is 40 KiB at
+        # D = 64 and 80 KiB at D = 128; D = 256 halves the key tile to stay at 96 KiB and keep
+        # the f32 O accumulator (128 registers per lane at Dv = 256) beside the scores.
+        MMA_TILES.update({(_arch, _dt, 32): (4, 64, 2), (_arch, _dt, 64): (4, 64, 2),
+                          (_arch, _dt, 128): (4, 64, 2), (_arch, _dt, 256): (4, 32, 2)})
+    # tf32: float tiles take twice the bytes of 16-bit ones: 32-key tiles up to D = 128
+    # (48 / 96 KiB); at D = 256 one stage of 32 keys (128 KiB) rather than two of 16 (the mma k
+    # is 8, so 16-key tiles leave two k-steps per P·V and little to overlap).
+    MMA_TILES.update({(_arch, "float32", 32): (4, 64, 2), (_arch, "float32", 64): (4, 32, 2),
+                      (_arch, "float32", 128): (4, 32, 2), (_arch, "float32", 256): (4, 32, 1)})
+    # f64: 8-byte elements and an f64 O accumulator (2 registers per value). D = 128 takes two
+    # warps (32 query rows, Q 32 KiB) and one 16-key stage: the O accumulator (16 rows x 128 /
+    # 32 lanes = 64 doubles = 128 registers) leaves too little room for a second stage's
+    # addresses (sm_90's ptxas spilled at two stages: 255 registers, 48 bytes).
+    MMA_TILES.update({(_arch, "float64", 32): (4, 32, 2), (_arch, "float64", 64): (4, 16, 2),
+                      (_arch, "float64", 128): (2, 16, 1)})
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,34 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS):
     return warps, rows, keys
 
 
+def uses_mma(dtype, d, dv, precision="highest") -> bool:
+    """Whether the tensor-core family runs this problem (else the SIMT family).
+
+    float16/bfloat16 always (f32 accumulation either way, and the tensor cores are ~15x the
+    FMA peak); float64 on the FP64 tensor cores (exact f64 arithmetic, fused multiply-adds);
+    float32 only with ``precision="tf32"``: the default keeps exact float32 products. Heads
+    beyond :data:`~cuonline.kernels.specs.MMA_MAX_HEAD_DIM` take the SIMT family.
+    """
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name == "float32" and precision != "tf32":
+        return False
+    limit = MMA_MAX_HEAD_DIM.get(name, 0)
+    return max(d, dv) <= limit
+
+
+def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH):
+    """Return ``(warps, block_n, stages)`` of the tensor-core family for one problem shape."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    arch = arch if arch in SMEM_OPT_IN_LIMIT else DEFAULT_ARCH  # newer GPUs: the sm_90 table
+    width = max(d, dv)
+    bucket = next(b for b in (32, 64, 128, 256) if width <= b)
+    warps, block_n, stages = MMA_TILES[(arch, name, bucket)]
+    # Few query rows: one warp per 16 of them, no idle warps (decoding: one warp; the key split
+    # fills the GPU instead).
+    warps = max(1, min(warps, math.ceil(max(lq, 1) / 16)))
+    return warps, block_n, stages
+
+
 def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
     """Return ``(n_splits, split_keys)``: split the keys when the grid cannot fill the GPU."""
     if n_blocks >= num_sms or lk < 2 * MIN_SPLIT_KEYS:
@@ -102,15 +160,32 @@ def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
     return math.ceil(lk / split_keys), split_keys
 
 
-def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None):
+def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFAULT_ARCH,
+                   cp_async=True, family=None):
     """Plan the launch of :class:`cuonline._validate.Problem` ``problem``.
 
     ``n_splits`` forces a number of key splits (tests); None lets :func:`choose_splits` decide.
+    ``arch`` (``"sm_80"``, ``"sm_90"``) selects the tensor-core tile table; ``cp_async`` says
+    whether q, k and v rows are 16-byte aligned with unit column stride (the host checks the
+    strides and data pointers), else the tensor-core kernel loads element by element.
+    ``family`` forces ``"attention_fwd"`` (SIMT) or ``"attention_mma"``; None applies
+    :func:`uses_mma`.
     """
     dtype = np.dtype(problem.dtype)
-    warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                     problem.nbatch, num_sms)
-    block_m, block_n = warps * rows, 32 * keys
+    if family is None:
+        mma = uses_mma(dtype, problem.d, problem.dv, problem.precision)
+    elif family in ("attention_mma", "attention_fwd"):
+        mma = family == "attention_mma"
+    else:
+        raise ValueError(f"family must be 'attention_fwd' or 'attention_mma', got {family!r}")
+    if mma:
+        warps, block_n, stages = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq,
+                                                  arch)
+        block_m = 16 * warps
+    else:
+        warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
+                                         problem.nbatch, num_sms)
+        block_m, block_n = warps * rows, 32 * keys
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:
         n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
@@ -124,14 +199,19 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None):
             f"batch x query tiles = {grid_x} exceeds the CUDA grid limit {MAX_GRID_X}; "
             f"split the batch into chunks"
         )
-    spec = KernelSpec(
-        dtype=dtype.name, acc=np.dtype(problem.acc_dtype).name, d=problem.d, dv=problem.dv,
-        warps=warps, rows_per_warp=rows, keys_per_lane=keys,
+    flags = dict(
         window=problem.has_window, bias=problem.bias is not None,
         mask=problem.mask is not None, kv_lengths=problem.kv_lengths is not None,
         alibi=problem.alibi_slopes is not None, softcap=problem.softcap is not None,
         return_lse=problem.return_lse, split=n_splits > 1,
     )
+    if mma:
+        spec = MmaSpec(dtype=dtype.name, d=problem.d, dv=problem.dv, warps=warps,
+                       block_n=block_n, stages=stages, cp_async=cp_async, **flags)
+    else:
+        spec = KernelSpec(dtype=dtype.name, acc=np.dtype(problem.acc_dtype).name, d=problem.d,
+                          dv=problem.dv, warps=warps, rows_per_warp=rows, keys_per_lane=keys,
+                          **flags)
     return Plan(spec=spec, n_qtiles=n_qtiles, n_splits=n_splits, split_keys=split_keys,
                 grid=(grid_x, 1, n_splits), block=(spec.threads, 1, 1),
                 shared_bytes=spec.shared_bytes)

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import source
-from .heuristics import choose_tiles
-from .specs import SOFTMAX_MODES, KernelSpec, SoftmaxSpec
+from .heuristics import choose_mma_tiles, choose_tiles
+from .specs import SOFTMAX_MODES, KernelSpec, MmaSpec, SoftmaxSpec
 
-__all__ = ["CompileReport", "NvrtcUnavailable", "compile_source", "compile_spec",
+__all__ = ["CompileReport", "NvrtcUnavailable", "compile_ptx", "compile_source", "compile_spec",
            "cuda_include_dir", "listing", "listing_specs", "nvrtc_available"]
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
@@ -110,8 +110,8 @@ class _Backend:
         except Exception:  # noqa: BLE001
             pass
 
-    def compile(self, text, name, options):
-        """Return ``(ok, log, cubin)``."""
+    def compile(self, text, name, options, output="cubin"):
+        """Return ``(ok, log, binary)``: the CUBIN, or with ``output="ptx"`` the PTX text."""
         if self.kind == "cupy":
             lib = self.lib
             prog = lib.createProgram(text, name, (), ())
@@ -122,7 +122,12 @@ class _Backend:
                 except lib.NVRTCError:
                     ok = False
                 log = lib.getProgramLog(prog)
-                return ok, log, lib.getCUBIN(prog) if ok else b""
+                if not ok:
+                    return ok, log, b""
+                if output == "ptx":
+                    ptx = lib.getPTX(prog)
+                    return ok, log, ptx.decode() if isinstance(ptx, bytes) else ptx
+                return ok, log, lib.getCUBIN(prog)
             finally:
                 lib.destroyProgram(prog)
         lib = self.lib
@@ -138,6 +143,11 @@ class _Backend:
             lib.nvrtcGetProgramLog(prog, buf)
             log = buf.rstrip(b"\x00 ").decode(errors="replace")
             cubin = b""
+            if err == ok_code and output == "ptx":
+                _, size = lib.nvrtcGetPTXSize(prog)
+                ptx = b" " * size
+                lib.nvrtcGetPTX(prog, ptx)
+                return True, log, ptx.rstrip(b"\x00").decode()
             if err == ok_code:
                 _, size = lib.nvrtcGetCUBINSize(prog)
                 cubin = b" " * size
@@ -219,7 +229,20 @@ def compile_source(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu")
     return log, seconds
 
 
-def compile_spec(spec: KernelSpec, arch: str = "sm_90") -> CompileReport:
+def compile_ptx(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") -> tuple:
+    """Compile ``text`` for ``arch`` with the engine's options; return ``(ptx, log)``.
+
+    The PTX is the text ptxas assembled (``log`` holds its ``-v`` report): tests read it to
+    check which instructions a kernel really issues. Raises RuntimeError on compile errors.
+    """
+    backend = _backend()
+    ok, log, ptx = backend.compile(text, name, compile_options(arch), output="ptx")
+    if not ok:
+        raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
+    return ptx, log
+
+
+def compile_spec(spec, arch: str = "sm_90") -> CompileReport:
     """Compile one variant and parse ptxas's report."""
     log, seconds = compile_source(source.build_source(spec), arch, name=f"{spec.key}.cu")
     return CompileReport(key=spec.key, arch=arch, seconds=round(seconds, 3),
@@ -233,13 +256,49 @@ def _spec(dtype, d, dv, lq, *, split=False, **flags):
                       keys_per_lane=keys, split=split, **flags)
 
 
+def _mma_spec(dtype, d, dv, lq, *, cp_async=True, **flags):
+    warps, block_n, stages = choose_mma_tiles(dtype, d, dv, lq)
+    return MmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_n=block_n, stages=stages,
+                   cp_async=cp_async, **flags)
+
+
+_ALL_FLAGS = dict(window=True, bias=True, mask=True, kv_lengths=True, alibi=True, softcap=True,
+                  return_lse=True)
+
+
+def _mma_listing_specs() -> list:
+    """Tensor-core family: every dtype (float32 = TF32) x D in {32, 64, 96, 128, 256} (float64
+    up to 128), Dv != D, each feature flag alone at D = 64 and all together at D = 64 and 128
+    (f16 and tf32), all flags at f64 D = 64, the decoding shape (Lq = 1, split keys) and the
+    element-wise loader (strided views)."""
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        dims = (32, 64, 96, 128) + ((256,) if dtype != "float64" else ())
+        for d in dims:
+            specs.append(_mma_spec(dtype, d, d, 4096))
+        specs.append(_mma_spec(dtype, 128, 128, 1, split=True, return_lse=True))
+        specs.append(_mma_spec(dtype, 64, 64, 4096, cp_async=False, window=True))
+    for dtype in ("float16", "float32"):
+        specs.append(_mma_spec(dtype, 128, 64, 4096))
+        for flag in _ALL_FLAGS:
+            specs.append(_mma_spec(dtype, 64, 64, 4096, **{flag: True}))
+        for d in (64, 128):
+            specs.append(_mma_spec(dtype, d, d, 4096, **_ALL_FLAGS))
+    specs.append(_mma_spec("float16", 256, 256, 4096, **_ALL_FLAGS))
+    specs.append(_mma_spec("float64", 64, 64, 4096, **_ALL_FLAGS))
+    specs.append(_mma_spec("float64", 128, 128, 1, split=True, **_ALL_FLAGS))
+    return specs
+
+
 def listing_specs() -> list:
     """A representative set of the variants the dispatcher selects.
 
-    Every dtype x D in {32, 64, 128, 256} (long sequences, no options), plus for float32 and
-    float16 at D = 64 and 128: Dv != D, each feature flag alone, causal+everything, and the
-    decoding shape (Lq = 1, split keys). Tile sizes come from the same heuristics as launches.
-    Then every variant of the softmax family (dtype x mode x mask).
+    SIMT family (float32 by default; the other dtypes where the tensor-core family does not
+    take them, or when forced): every dtype x D in {32, 64, 128, 256} (long sequences, no
+    options), plus for float32 and float16 at D = 64 and 128: Dv != D, each feature flag alone,
+    causal+everything, and the decoding shape (Lq = 1, split keys). Then the tensor-core family
+    (:func:`_mma_listing_specs`). Tile sizes come from the same heuristics as launches. Then
+    every variant of the softmax family (dtype x mode x mask).
     """
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
@@ -256,6 +315,7 @@ def listing_specs() -> list:
                                kv_lengths=True, alibi=True, softcap=True, return_lse=True))
     specs.append(_spec("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
                        kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    specs.extend(_mma_listing_specs())
     # softmax family: every variant (launch shapes are runtime parameters)
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         acc = "float64" if dtype == "float64" else "float32"

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["FEATURES", "KernelSpec", "MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
+__all__ = ["FEATURES", "KernelSpec", "MAX_HEAD_DIM", "MMA_INSTRUCTIONS", "MMA_MAX_HEAD_DIM", "MmaSpec",
+           "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
@@ -71,6 +72,8 @@ class KernelSpec:
     family = "attention_fwd"
     entry = "cuonline_attention_fwd"
     combine_entry = "cuonline_attention_combine"
+    #: Files pasted before the family's .cu, in order (see cuonline.kernels.source).
+    headers = ("common.cuh", "attention_combine.cuh")
 
     def __post_init__(self):
         if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
@@ -208,6 +211,155 @@ class SoftmaxSpec:
     def entries(self) -> tuple:
         """Kernel symbols this variant defines."""
         return (self.entry,)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: Largest max(D, Dv) of the tensor-core family per element dtype: the O accumulator lives in
+#: registers (16 rows x Dv / 32 lanes per thread, in f32 or f64); beyond it the SIMT family runs.
+MMA_MAX_HEAD_DIM = {"float16": 256, "bfloat16": 256, "float32": 256, "float64": 128}
+#: The mma instruction of each element dtype, and its k (the head dim is padded to it).
+MMA_INSTRUCTIONS = {
+    "float16": ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", 16),
+    "bfloat16": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", 16),
+    "float32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", 8),
+    "float64": ("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64", 4),
+}
+
+
+def _smem_stride(cols: int, itemsize: int) -> int:
+    """Elements per stored row of tensor_core.cuh's SmemTile: swizzled (no padding) when a row
+    is a power-of-two number of 16-byte chunks, else padded to an odd number of chunks."""
+    per_chunk = 16 // itemsize
+    chunks = cols // per_chunk
+    return cols if chunks & (chunks - 1) == 0 else (chunks | 1) * per_chunk
+
+
+@dataclass(frozen=True)
+class MmaSpec:
+    """One variant of the tensor-core family ``attention_mma`` (``kernels_cu/attention_mma.cu``).
+
+    Attributes
+    ----------
+    dtype : str
+        Element dtype: ``float16``/``bfloat16`` (mma.m16n8k16, f32 accumulation), ``float32``
+        (TF32 mma.m16n8k8, f32 accumulation: ``precision="tf32"``) or ``float64``
+        (mma.m8n8k4, f64 accumulation).
+    d, dv : int
+        Head dimensions of q/k and of v; padded in shared memory to the mma k and to 16.
+    warps, block_n, stages : int
+        ``block_m = 16 * warps`` query rows per block, ``block_n`` keys per tile, and the number
+        of K/V tiles in flight (2: tile j + 1 loads while tile j computes).
+    cp_async : bool
+        q, k and v rows are 16-byte aligned with unit column stride: cp.async copies them.
+        False: an element-wise loader (any strides) fills the same shared-memory layout.
+    window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
+        As in :class:`KernelSpec`.
+    """
+
+    dtype: str
+    d: int
+    dv: int
+    warps: int
+    block_n: int
+    stages: int
+    cp_async: bool = True
+    window: bool = False
+    bias: bool = False
+    mask: bool = False
+    kv_lengths: bool = False
+    alibi: bool = False
+    softcap: bool = False
+    return_lse: bool = False
+    split: bool = False
+
+    family = "attention_mma"
+    entry = "cuonline_attention_mma"
+    combine_entry = "cuonline_attention_combine"
+    headers = ("common.cuh", "tensor_core.cuh", "attention_combine.cuh")
+
+    def __post_init__(self):
+        if self.dtype not in MMA_MAX_HEAD_DIM:
+            raise ValueError(f"unsupported dtype {self.dtype}")
+        limit = MMA_MAX_HEAD_DIM[self.dtype]
+        for name in ("d", "dv"):
+            value = getattr(self, name)
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be in 1..{limit} for {self.dtype}, got {value}")
+        if not 1 <= self.warps <= 8 or self.block_n % 16 or self.stages not in (1, 2):
+            raise ValueError(f"bad tile shape: warps={self.warps}, block_n={self.block_n}, "
+                             f"stages={self.stages}")
+
+    @property
+    def acc(self) -> str:
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def instruction(self) -> str:
+        """The PTX mma instruction this variant issues."""
+        return MMA_INSTRUCTIONS[self.dtype][0]
+
+    @property
+    def padded_dims(self) -> tuple:
+        """``(Dp, Dvp)``: D rounded up to the mma k, Dv to 16 (pairs of 8-column n-tiles)."""
+        k = MMA_INSTRUCTIONS[self.dtype][1]
+        return -(-self.d // k) * k, -(-self.dv // 16) * 16
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block: sQ + stages x (sK + sV), element type."""
+        itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        dp, dvp = self.padded_dims
+        qk, vv = _smem_stride(dp, itemsize), _smem_stride(dvp, itemsize)
+        return (self.block_m * qk + self.stages * self.block_n * (qk + vv)) * itemsize
+
+    @property
+    def features(self) -> tuple:
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+    @property
+    def key(self) -> str:
+        """Readable unique name, e.g. ``attention_mma_f16_d64_dv64_bm64_bn64_s2_window``."""
+        tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
+        parts = [self.family, tag, f"d{self.d}", f"dv{self.dv}", f"bm{self.block_m}",
+                 f"bn{self.block_n}", f"s{self.stages}"]
+        if not self.cp_async:
+            parts.append("plainload")
+        parts.extend(self.features)
+        if self.split:
+            parts.append("split")
+        return "_".join(parts)
+
+    def defines(self) -> dict:
+        """``#define`` name -> value, in a fixed order."""
+        out = {
+            "CUONLINE_T": _C_TYPES[self.dtype],
+            "CUONLINE_ACC": _C_TYPES[self.acc],
+            "CUONLINE_D": self.d,
+            "CUONLINE_DV": self.dv,
+            "CUONLINE_WARPS": self.warps,
+            "CUONLINE_BLOCK_N": self.block_n,
+            "CUONLINE_STAGES": self.stages,
+            "CUONLINE_CP_ASYNC": int(self.cp_async),
+        }
+        for f in FEATURES:
+            name = "CUONLINE_RETURN_LSE" if f == "return_lse" else f"CUONLINE_HAS_{f.upper()}"
+            out[name] = int(getattr(self, f))
+        out["CUONLINE_SPLIT"] = int(self.split)
+        return out
+
+    def entries(self) -> tuple:
+        """Kernel symbols this variant defines."""
+        return (self.entry, self.combine_entry)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

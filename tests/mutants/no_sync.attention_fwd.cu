@@ -1,7 +1,7 @@
 // attention_fwd.cu: exact attention forward, FlashAttention-2 loop shape, SIMT (plain FMA).
 //
-// Variant selection: source.py prepends #define lines (see cuonline/kernels/specs.py) and
-// common.cuh. Required defines:
+// Variant selection: source.py prepends #define lines (see cuonline/kernels/specs.py),
+// common.cuh and attention_combine.cuh. Required defines:
 //   CUONLINE_T, CUONLINE_ACC        element type (float, double, __half, __nv_bfloat16) and
 //                                   accumulation type (float, or double for double inputs)
 //   CUONLINE_D, CUONLINE_DV         head dims of q/k and of v (1..256, may differ)
@@ -293,42 +293,5 @@ cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: 
     }
 }
 
-// Combine the per-split partial results: one warp per (batch, query) row, lane owns columns
-// lane + 32 c. ws_out: (nsplit, nrows, Dv), ws_lse: (nsplit, nrows) in Acc; out: (nrows, Dv) in T;
-// lse: (nrows,) or null. Same math as cuonline.merge: m = max lse_i, w_i = exp(lse_i - m),
-// out = sum w_i out_i / sum w_i, lse = m + log sum w_i; all parts empty gives 0 and -inf.
-constexpr int kCombineWarps = 4;
-
-extern "C" __global__ void __launch_bounds__(32 * kCombineWarps)
-cuonline_attention_combine(const CUONLINE_ACC* __restrict__ ws_out,
-                           const CUONLINE_ACC* __restrict__ ws_lse,
-                           CUONLINE_T* __restrict__ out, CUONLINE_ACC* __restrict__ lse,
-                           long long nrows, int nsplit)
-{
-    using namespace cuonline;
-    using namespace cuonline::fwd;
-
-    const int lane = threadIdx.x % 32;
-    const long long row = (long long)blockIdx.x * kCombineWarps + threadIdx.x / 32;
-    if (row >= nrows) return;  // whole warps leave together: no shuffles below
-
-    SoftmaxState<Acc, kCols> state;
-    state.init();
-    for (int z = 0; z < nsplit; ++z) {
-        const long long part = z * nrows + row;
-        Acc part_out[kCols];
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-            const int col = lane + 32 * c;
-            part_out[c] = col < kDv ? ws_out[part * kDv + col] : Acc(0);
-        }
-        state.merge(ws_lse[part] * log2e(Acc()), part_out);
-    }
-    const Acc row_lse = state.finalize(state.l);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-        const int col = lane + 32 * c;
-        if (col < kDv) out[row * kDv + col] = FromAcc<T>::cvt(state.o[c]);
-    }
-    if (lse != nullptr && lane == 0) lse[row] = row_lse;
-}
+// The split-key combine (cuonline_attention_combine) is attention_combine.cuh, pasted before
+// this file by source.py and shared with the tensor-core family.

@@ -1,0 +1,539 @@
+// attention_mma.cu: exact attention forward on tensor cores, FlashAttention-2 loop shape.
+//
+// Variant selection: source.py prepends #define lines (see MmaSpec in cuonline/kernels/specs.py)
+// and pastes common.cuh, tensor_core.cuh and attention_combine.cuh. Required defines:
+//   CUONLINE_T, CUONLINE_ACC     element / accumulation type, one of
+//                                  __half, float          mma.m16n8k16 f16, f32 accumulators
+//                                  __nv_bfloat16, float   mma.m16n8k16 bf16, f32 accumulators
+//                                  float, float           mma.m16n8k8 tf32 (precision="tf32")
+//                                  double, double         mma.m8n8k4 f64, f64 accumulators
+//   CUONLINE_D, CUONLINE_DV      head dims of q/k and of v (may differ); padded in shared memory
+//                                to kDp (a multiple of the mma k) and kDvp (a multiple of 16),
+//                                the padding zero-filled
+//   CUONLINE_WARPS               warps per block; warp w owns query rows [16 w, 16 w + 16)
+//   CUONLINE_BLOCK_N             keys per tile (a multiple of 16)
+//   CUONLINE_STAGES              K/V tiles in flight (1: load then compute; 2: tile j+1 loads
+//                                while tile j computes)
+//   CUONLINE_CP_ASYNC            1: q/k/v rows are 16-byte aligned with unit column stride and
+//                                go global -> shared by cp.async; 0: element-wise loads (any
+//                                strides) into the same layout
+//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
+//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1 (as in attention_fwd.cu)
+//
+// Work decomposition (the arguments are those of attention_fwd.cu, in the same order)
+//   grid.x = nbatch * n_query_tiles, grid.z = key splits; block = kWarps warps.
+//   Every product is a sequence of 16x8 output tiles: a warp multiplies its 16 query rows by 8
+//   keys (scores) or 8 output columns (P·V). The accumulator of a 16x8 tile is 4 values per
+//   lane in the m16n8 C layout: lane (g = lane / 4, t = lane % 4) holds rows g and g + 8,
+//   columns 2t and 2t + 1. f64 issues two m8n8k4 per tile (rows 0-7 and 8-15): the m8n8 C
+//   fragment is the upper half of the m16n8 one, so all four element types share this body and
+//   only the Ops traits below differ.
+//   Online softmax in that layout: each lane keeps the state of its two rows (m, its share of
+//   l, its columns of o); row maxima and sums reduce over the 4 lanes of a quad (shfl_xor 1, 2).
+//   P = exp2(S - m) becomes the A operand of P·V in registers (no shared-memory round trip).
+// Shared memory (dynamic, element type T, conflict-free layouts from tensor_core.cuh):
+//   sQ: (kBlockM, kDp)                      loaded once
+//   sK: (kStages, kBlockN, kDp)             ring of K tiles
+//   sV: (kStages, kBlockN, kDvp)            ring of V tiles
+// Operands are addressed as in attention_fwd.cu: base + offsets[b * 5 + op] + row *
+// strides[2 op] + col * strides[2 op + 1] (elements, 64-bit); out and lse are contiguous.
+
+#ifndef CUONLINE_STAGES
+#error "attention_mma.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
+#endif
+
+namespace cuonline {
+namespace mma {
+
+using namespace cuonline::tc;
+
+typedef CUONLINE_T T;
+typedef CUONLINE_ACC Acc;
+
+// ---------------------------------------------------------------------------------------------
+// Ops<T>: the element type's mma and its fragment loads. Interface:
+//   kK                       the mma's k (16 f16/bf16, 8 tf32, 4 f64)
+//   AFrag, BFrag             register fragments of A (16 x kK) and B (kK x 8)
+//   load_a<L>(a, s, r0, k0)  A = s[r0 .. r0+16)[k0 .. k0+kK)       (s: (rows, cols) tile, L layout)
+//   load_bt2<L>(b0, b1, s, n0, k0)   B = s[n0 .. n0+8)[k0 ..]^T and the next 8 rows (K for Q·K^T)
+//   load_pv_b<L>(b, s, kk, n0)       B of P·V k-step kk: s[keys of kk][n0 .. n0+8) (V)
+//   p_to_a(a, p, kk)         the A fragment of P·V k-step kk from the score accumulators p
+//   mma(d, a, b)             d += a b on one 16x8 tile
+// P·V may visit the keys of a k-step in any order as long as p_to_a and load_pv_b agree: tf32
+// and f64 take the order in which the score accumulators already sit in the lane (2t, 2t+1),
+// which saves every shuffle.
+
+__device__ __forceinline__ int lane_() { return threadIdx.x % 32; }
+
+template <class T16> struct Ops16 {
+    static constexpr int kK = 16;
+    typedef unsigned AFrag[4];
+    typedef unsigned BFrag[2];
+
+    // ldmatrix x4: lane supplies row r0 + lane % 16 at column k0 + 8 (lane / 16)
+    template <class L>
+    __device__ __forceinline__ static void load_a(AFrag& a, const T16* s, int r0, int k0) {
+        const int lane = lane_();
+        ldmatrix_x4(a, s + L::offset(r0 + lane % 16, k0 + (lane / 16) * 8));
+    }
+    // ldmatrix x4 of an (n, k) tile: rows n0 + 8 (lane / 16) + lane % 8, columns
+    // k0 + 8 ((lane / 8) % 2); registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
+    template <class L>
+    __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const T16* s, int n0,
+                                                   int k0) {
+        const int lane = lane_();
+        unsigned r[4];
+        ldmatrix_x4(r, s + L::offset(n0 + (lane / 16) * 8 + lane % 8, k0 + ((lane / 8) % 2) * 8));
+        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];
+    }
+    // ldmatrix x2 .trans of a (k, n) tile: lane supplies key row 16 kk + lane % 16 at column n0
+    // (lanes 16-31 repeat lanes 0-15: their addresses are ignored but must be valid)
+    template <class L>
+    __device__ __forceinline__ static void load_pv_b(BFrag& b, const T16* s, int kk, int n0) {
+        ldmatrix_x2_trans(b, s + L::offset(16 * kk + lane_() % 16, n0));
+    }
+    // Two n-tiles of the score accumulators are one A fragment (acc_to_a_frag).
+    template <int kNt>
+    __device__ __forceinline__ static void p_to_a(AFrag& a, const float (&p)[kNt][4], int kk) {
+        acc_to_a_frag<T16>(a, p[2 * kk], p[2 * kk + 1]);
+    }
+    __device__ __forceinline__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+        mma_m16n8k16<T16>(d, a, b, d);
+    }
+};
+
+template <class X> struct Ops;
+template <> struct Ops<__half> : Ops16<__half> {};
+template <> struct Ops<__nv_bfloat16> : Ops16<__nv_bfloat16> {};
+
+// tf32: float tiles in shared memory, rounded (cvt.rna) as fragments are built.
+template <> struct Ops<float> {
+    static constexpr int kK = 8;
+    typedef unsigned AFrag[4];
+    typedef unsigned BFrag[2];
+
+    // a[0] = A[g][t], a[1] = A[g+8][t], a[2] = A[g][t+4], a[3] = A[g+8][t+4]
+    template <class L>
+    __device__ __forceinline__ static void load_a(AFrag& a, const float* s, int r0, int k0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        a[0] = to_tf32(s[L::offset(r0 + g, k0 + t)]);
+        a[1] = to_tf32(s[L::offset(r0 + g + 8, k0 + t)]);
+        a[2] = to_tf32(s[L::offset(r0 + g, k0 + t + 4)]);
+        a[3] = to_tf32(s[L::offset(r0 + g + 8, k0 + t + 4)]);
+    }
+    // b[0] = B[t][g] = s[n0 + g][k0 + t], b[1] = B[t+4][g]
+    template <class L>
+    __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const float* s, int n0,
+                                                   int k0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        b0[0] = to_tf32(s[L::offset(n0 + g, k0 + t)]);
+        b0[1] = to_tf32(s[L::offset(n0 + g, k0 + t + 4)]);
+        b1[0] = to_tf32(s[L::offset(n0 + 8 + g, k0 + t)]);
+        b1[1] = to_tf32(s[L::offset(n0 + 8 + g, k0 + t + 4)]);
+    }
+    // k-step kk covers keys 8 kk .. 8 kk + 7 in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t)
+    // holds P[g][2t], P[g][2t+1] = A[g][t], A[g][t+4], so B[t][n] = V[2t][n], B[t+4][n] = V[2t+1][n].
+    template <class L>
+    __device__ __forceinline__ static void load_pv_b(BFrag& b, const float* s, int kk, int n0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        b[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + g)]);
+        b[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + g)]);
+    }
+    template <int kNt>
+    __device__ __forceinline__ static void p_to_a(AFrag& a, const float (&p)[kNt][4], int kk) {
+        a[0] = to_tf32(p[kk][0]);
+        a[1] = to_tf32(p[kk][2]);
+        a[2] = to_tf32(p[kk][1]);
+        a[3] = to_tf32(p[kk][3]);
+    }
+    __device__ __forceinline__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+        mma_m16n8k8_tf32(d, a, b, d);
+    }
+};
+
+// f64: a 16x8 tile is two m8n8k4 (rows g and g + 8); the four accumulators keep the m16n8
+// layout, so the softmax code is the same as for the other types.
+template <> struct Ops<double> {
+    static constexpr int kK = 4;
+    typedef double AFrag[2];  // A[g][t], A[g+8][t]
+    typedef double BFrag[1];  // B[t][g]
+
+    template <class L>
+    __device__ __forceinline__ static void load_a(AFrag& a, const double* s, int r0, int k0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        a[0] = s[L::offset(r0 + g, k0 + t)];
+        a[1] = s[L::offset(r0 + g + 8, k0 + t)];
+    }
+    template <class L>
+    __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const double* s, int n0,
+                                                   int k0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        b0[0] = s[L::offset(n0 + g, k0 + t)];
+        b1[0] = s[L::offset(n0 + 8 + g, k0 + t)];
+    }
+    // k-step kk covers keys 8 (kk / 2) + 2t + (kk % 2), t = 0..3: the column of the score
+    // accumulator the lane already holds (p[kk / 2][kk % 2] and p[kk / 2][2 + kk % 2]).
+    template <class L>
+    __device__ __forceinline__ static void load_pv_b(BFrag& b, const double* s, int kk, int n0) {
+        const int g = lane_() / 4, t = lane_() % 4;
+        b[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + g)];
+    }
+    template <int kNt>
+    __device__ __forceinline__ static void p_to_a(AFrag& a, const double (&p)[kNt][4], int kk) {
+        a[0] = p[kk / 2][kk % 2];
+        a[1] = p[kk / 2][2 + kk % 2];
+    }
+    __device__ __forceinline__ static void mma(double (&d)[4], const AFrag& a, const BFrag& b) {
+        double up[2] = {d[0], d[1]};
+        double lo[2] = {d[2], d[3]};
+        mma_m8n8k4_f64(up, a[0], b[0], up);
+        mma_m8n8k4_f64(lo, a[1], b[0], lo);
+        d[0] = up[0]; d[1] = up[1]; d[2] = lo[0]; d[3] = lo[1];
+    }
+};
+
+typedef Ops<T> Op;
+
+// ---------------------------------------------------------------------------------------------
+// compile-time shape
+
+__host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+constexpr int kD = CUONLINE_D;
+constexpr int kDv = CUONLINE_DV;
+constexpr int kWarps = CUONLINE_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockM = 16 * kWarps;
+constexpr int kBlockN = CUONLINE_BLOCK_N;
+constexpr int kStages = CUONLINE_STAGES;
+constexpr int kDp = round_up(kD, Op::kK);   // Q·K^T reduction length, zero-padded
+constexpr int kDvp = round_up(kDv, 16);     // P·V output columns, zero-padded (n-tile pairs)
+constexpr int kNt = kBlockN / 8;            // score n-tiles per warp
+constexpr int kNv = kDvp / 8;               // output n-tiles per warp
+constexpr int kKs = kDp / Op::kK;           // k-steps of Q·K^T
+constexpr int kKv = kBlockN / Op::kK;       // k-steps of P·V
+static_assert(kBlockN % 16 == 0, "key tiles are pairs of 8-key n-tiles");
+static_assert(kStages == 1 || kStages == 2, "one or two K/V stages");
+// Q fragments stay in registers when they are small (32 words at most: f16 D <= 128); larger
+// heads re-read them from sQ each tile rather than spill.
+constexpr int kAFragWords = int(sizeof(typename Op::AFrag) / 4);
+constexpr bool kQInRegs = kKs * kAFragWords <= 32;
+
+typedef SmemTile<kDp, int(sizeof(T))> LQK;   // layout of sQ and of each sK stage
+typedef SmemTile<kDvp, int(sizeof(T))> LV;   // layout of each sV stage
+constexpr int kQElems = kBlockM * LQK::kStride;
+constexpr int kKElems = kBlockN * LQK::kStride;
+constexpr int kVElems = kBlockN * LV::kStride;
+constexpr int kChunk = 16 / int(sizeof(T));  // elements per 16-byte chunk
+
+constexpr int kNumOperands = 5;
+enum Operand { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4 };
+
+#if CUONLINE_SPLIT
+typedef Acc OutT;  // partial, normalised out per split (workspace), merged by the combine
+#else
+typedef T OutT;
+#endif
+
+// Stage rows [r0, r0 + kRows) x columns [0, kCols) of a (rows, cols) operand into a tile of
+// layout L whose padded width is L's; rows at or past row_end and columns past kCols are zero
+// and never read from global memory. cp.async moves whole 16-byte chunks (host-checked
+// alignment); the fallback reads elements through both strides.
+template <class L, int kRows, int kCols, int kPadCols>
+__device__ __forceinline__ void load_tile(T* s, const T* base, long long row_stride,
+                                          long long col_stride, long long r0, long long row_end) {
+    constexpr int kRowChunks = kPadCols / kChunk;
+    for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
+        const int r = idx / kRowChunks;
+        const int col = (idx - r * kRowChunks) * kChunk;
+        const long long row = r0 + r;
+        const bool row_ok = row < row_end;
+        T* dst = s + L::offset(r, col);
+#if CUONLINE_CP_ASYNC
+        int bytes = row_ok ? (kCols - col) * int(sizeof(T)) : 0;
+        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+        cp_async_16(dst, bytes > 0 ? base + row * row_stride + col : base, bytes);
+#else
+        (void)col_stride;
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e)
+            dst[e] = row_ok && col + e < kCols ? base[row * row_stride + (col + e) * col_stride]
+                                               : FromAcc<T>::cvt(0.0f);
+#endif
+    }
+}
+
+}  // namespace mma
+}  // namespace cuonline
+
+extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads)
+cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
+                       const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
+                       const CUONLINE_T* __restrict__ v,          // per batch: (lk, Dv)
+                       const CUONLINE_ACC* __restrict__ bias,     // per batch: (lq, lk) or null
+                       const unsigned char* __restrict__ mask,    // per batch: (lq, lk) or null
+                       const long long* __restrict__ kv_lengths,  // (nbatch,) or null
+                       const CUONLINE_ACC* __restrict__ alibi,    // (nbatch,) or null
+                       cuonline::mma::OutT* __restrict__ out,     // ([nsplit,] nbatch, lq, Dv)
+                       CUONLINE_ACC* __restrict__ lse,            // ([nsplit,] nbatch, lq) or null
+                       const long long* __restrict__ offsets,     // (nbatch, 5)
+                       const long long* __restrict__ strides,     // (5, 2)
+                       int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,
+                       long long window_left, long long window_right,  // >= 2^60: unbounded
+                       long long split_keys)                           // keys per grid.z slice
+{
+    using namespace cuonline;
+    using namespace cuonline::mma;
+
+    CUONLINE_DYNAMIC_SHARED(CUONLINE_T, cuonline_mma_smem);
+    T* sQ = cuonline_mma_smem;                 // (kBlockM, kDp)
+    T* sK = sQ + kQElems;                      // (kStages, kBlockN, kDp)
+    T* sV = sK + kStages * kKElems;            // (kStages, kBlockN, kDvp)
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // ---- which tile: heaviest causal query tiles (the last ones) are scheduled first
+    const long long n_qtiles = (lq + kBlockM - 1) / kBlockM;
+    const long long nbatch = gridDim.x / n_qtiles;
+    const long long b = blockIdx.x / n_qtiles;
+    const long long qtile = n_qtiles - 1 - (blockIdx.x - b * n_qtiles);
+    const long long i0 = qtile * kBlockM;
+    const long long i_end = i0 + kBlockM < lq ? i0 + kBlockM : lq;
+    const long long diag = (long long)lk - lq;  // key aligned with query 0 (bottom-right)
+
+    const long long* off = offsets + b * kNumOperands;
+    const T* q_b = q + off[kQ];
+    const T* k_b = k + off[kK];
+    const T* v_b = v + off[kV];
+
+    // ---- visible key range of this block: [j_lo, j_hi); tiles outside it are never touched
+    long long key_end = lk;
+#if CUONLINE_HAS_KV_LENGTHS
+    key_end = kv_lengths[b];  // clipped to [0, lk] on the host
+#endif
+    long long j_lo = 0;
+    long long j_hi = key_end;
+#if CUONLINE_HAS_WINDOW
+    if (i0 + diag - window_left > j_lo) j_lo = i0 + diag - window_left;
+    if (i_end + diag + window_right < j_hi) j_hi = i_end + diag + window_right;
+#endif
+#if CUONLINE_SPLIT
+    const long long split = blockIdx.z;
+    if (split * split_keys > j_lo) j_lo = split * split_keys;
+    if ((split + 1) * split_keys < j_hi) j_hi = (split + 1) * split_keys;
+#endif
+
+    // ---- per-row constants, in log2 units
+    const Acc log2e_ = log2e(Acc());
+#if CUONLINE_HAS_SOFTCAP
+    const Acc scale_over_cap = scale / softcap;  // s = cap * tanh(scale * qk / cap)
+    const Acc cap_log2 = softcap * log2e_;
+#else
+    const Acc scale_log2 = scale * log2e_;
+#endif
+#if CUONLINE_HAS_ALIBI
+    const Acc slope_log2 = alibi[b] * log2e_;
+#endif
+
+    // Lane's rows: i0 + 16 warp + g (h = 0) and + 8 (h = 1). state[h].o[2 nv + c] is output
+    // column 8 nv + 2t + c of row h: the C layout of n-tile nv, split by row.
+    const long long row0 = i0 + 16 * warp + g;
+    SoftmaxState<Acc, 2 * kNv> state[2];
+    state[0].init();
+    state[1].init();
+
+    if (j_lo < j_hi) {
+        const long long tile_first = j_lo / kBlockN;
+        const long long n_tiles = (j_hi + kBlockN - 1) / kBlockN - tile_first;
+        const long long rs_k = strides[2 * kK], cs_k = strides[2 * kK + 1];
+        const long long rs_v = strides[2 * kV], cs_v = strides[2 * kV + 1];
+
+        // ---- prologue: Q in its own group, then the first kStages - 1 K/V tiles
+        load_tile<LQK, kBlockM, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
+        cp_async_commit();
+#pragma unroll
+        for (int s = 0; s + 1 < kStages; ++s) {
+            if (s < n_tiles) {
+                const long long j0 = (tile_first + s) * kBlockN;
+                load_tile<LQK, kBlockN, kD, kDp>(sK + s * kKElems, k_b, rs_k, cs_k, j0, key_end);
+                load_tile<LV, kBlockN, kDv, kDvp>(sV + s * kVElems, v_b, rs_v, cs_v, j0, key_end);
+            }
+            cp_async_commit();  // empty groups keep the group count uniform
+        }
+
+        typename Op::AFrag qf[kQInRegs ? kKs : 1];
+        if constexpr (kQInRegs) {
+            cp_async_wait<kStages - 1>();  // the Q group
+            __syncthreads();
+#pragma unroll
+            for (int ks = 0; ks < kKs; ++ks)
+                Op::template load_a<LQK>(qf[ks], sQ, 16 * warp, ks * Op::kK);
+        }
+
+        for (long long n = 0; n < n_tiles; ++n) {
+            const long long j0 = (tile_first + n) * kBlockN;
+            // ---- issue tile n + kStages - 1 into the stage that tile n - 1 used
+            if (kStages > 1 && n + kStages - 1 < n_tiles) {
+                const int s = int((n + kStages - 1) % kStages);
+                const long long jn = j0 + (kStages - 1) * kBlockN;
+                load_tile<LQK, kBlockN, kD, kDp>(sK + s * kKElems, k_b, rs_k, cs_k, jn, key_end);
+                load_tile<LV, kBlockN, kDv, kDvp>(sV + s * kVElems, v_b, rs_v, cs_v, jn, key_end);
+            } else if (kStages == 1) {
+                load_tile<LQK, kBlockN, kD, kDp>(sK, k_b, rs_k, cs_k, j0, key_end);
+                load_tile<LV, kBlockN, kDv, kDvp>(sV, v_b, rs_v, cs_v, j0, key_end);
+            }
+            cp_async_commit();
+            cp_async_wait<kStages - 1>();  // tile n (and Q) landed for this thread...
+            __syncthreads();               // ...and for every thread
+            const T* sKn = sK + int(n % kStages) * kKElems;
+            const T* sVn = sV + int(n % kStages) * kVElems;
+
+            // ---- scores: S (16 x kBlockN per warp) = Q K^T
+            Acc sc[kNt][4];
+#pragma unroll
+            for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) sc[nt][i] = Acc(0);
+#pragma unroll
+            for (int ks = 0; ks < kKs; ++ks) {
+                typename Op::AFrag af_smem;
+                const typename Op::AFrag* af = &qf[kQInRegs ? ks : 0];
+                if constexpr (!kQInRegs) {
+                    Op::template load_a<LQK>(af_smem, sQ, 16 * warp, ks * Op::kK);
+                    af = &af_smem;
+                }
+#pragma unroll
+                for (int nt = 0; nt < kNt; nt += 2) {
+                    typename Op::BFrag b0, b1;
+                    Op::template load_bt2<LQK>(b0, b1, sKn, nt * 8, ks * Op::kK);
+                    Op::mma(sc[nt], *af, b0);
+                    Op::mma(sc[nt + 1], *af, b1);
+                }
+            }
+
+            // ---- score transform (softcap, bias, ALiBi) and masking, in log2 units;
+            //      sc[nt][2h + c] is row row0 + 8h, key j0 + 8 nt + 2t + c.
+            // An interior tile (all rows < lq, all keys inside [j_lo, j_hi), which lies inside
+            // [0, key_end), and inside every row's window) needs no per-element range test:
+            // the block-uniform branch saves the 64-bit compares on most tiles.
+            bool interior = i0 + kBlockM <= lq && j0 >= j_lo && j0 + kBlockN <= j_hi;
+#if CUONLINE_HAS_WINDOW
+            interior = interior && j0 >= i_end - 1 + diag - window_left &&
+                       j0 + kBlockN - 1 <= i0 + diag + window_right;
+#endif
+            Acc tile_max[2] = {neg_inf(Acc()), neg_inf(Acc())};
+#pragma unroll
+            for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1;
+                    const long long i = row0 + 8 * h;
+                    const long long j = j0 + 8 * nt + 2 * t + (e & 1);
+                    bool visible = true;
+                    if (!interior) {
+                        visible = i < lq && j < key_end && j >= j_lo && j < j_hi;
+#if CUONLINE_HAS_WINDOW
+                        visible = visible && j >= i + diag - window_left &&
+                                  j <= i + diag + window_right;
+#endif
+                    }
+#if CUONLINE_HAS_MASK
+                    if (visible) {
+                        const long long mo = off[kMask] + i * strides[2 * kMask] +
+                                             j * strides[2 * kMask + 1];
+                        visible = mask[mo] != 0;
+                    }
+#endif
+                    Acc x;
+#if CUONLINE_HAS_SOFTCAP
+                    x = cap_log2 * tanh_(sc[nt][e] * scale_over_cap);
+#else
+                    x = sc[nt][e] * scale_log2;
+#endif
+#if CUONLINE_HAS_BIAS
+                    if (visible) {
+                        const long long bo = off[kBias] + i * strides[2 * kBias] +
+                                             j * strides[2 * kBias + 1];
+                        x += bias[bo] * log2e_;
+                    }
+#endif
+#if CUONLINE_HAS_ALIBI
+                    {
+                        const long long dist = i + diag - j;
+                        x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
+                    }
+#endif
+                    sc[nt][e] = visible ? x : neg_inf(Acc());
+                    tile_max[h] = max_(tile_max[h], sc[nt][e]);
+                }
+            }
+
+            // ---- rescale running state to the new row max (quad-wide); p = exp2(s - m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                Acc mx = tile_max[h];
+                mx = max_(mx, __shfl_xor_sync(CUONLINE_FULL_MASK, mx, 1));
+                mx = max_(mx, __shfl_xor_sync(CUONLINE_FULL_MASK, mx, 2));
+                const Acc m_use = state[h].rescale_to(mx);
+#pragma unroll
+                for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const Acc p = exp2_(sc[nt][2 * h + c] - m_use);
+                        sc[nt][2 * h + c] = p;
+                        state[h].l += p;
+                    }
+            }
+
+            // ---- accumulate P·V: O (16 x kDvp per warp) += P (16 x kBlockN) V
+#pragma unroll
+            for (int kk = 0; kk < kKv; ++kk) {
+                typename Op::AFrag pf;
+                Op::p_to_a(pf, sc, kk);
+#pragma unroll
+                for (int nv = 0; nv < kNv; ++nv) {
+                    typename Op::BFrag vf;
+                    Op::template load_pv_b<LV>(vf, sVn, kk, nv * 8);
+                    Acc o[4] = {state[0].o[2 * nv], state[0].o[2 * nv + 1],
+                                state[1].o[2 * nv], state[1].o[2 * nv + 1]};
+                    Op::mma(o, pf, vf);
+                    state[0].o[2 * nv] = o[0];
+                    state[0].o[2 * nv + 1] = o[1];
+                    state[1].o[2 * nv] = o[2];
+                    state[1].o[2 * nv + 1] = o[3];
+                }
+            }
+            // every warp is done with this stage before a later iteration refills it
+            __syncthreads();
+        }
+        cp_async_wait<0>();  // retire the trailing (empty) groups before exit
+    }
+
+    // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long i = row0 + 8 * h;
+        Acc l_total = state[h].l;
+        l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 1);
+        l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 2);
+        const Acc row_lse = state[h].finalize(l_total);
+        if (i >= lq) continue;
+#if CUONLINE_SPLIT
+        const long long row = (split * nbatch + b) * lq + i;
+#else
+        const long long row = b * lq + i;
+#endif
+#pragma unroll
+        for (int nv = 0; nv < kNv; ++nv)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * nv + 2 * t + c;
+                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[h].o[2 * nv + c]);
+            }
+#if CUONLINE_SPLIT || CUONLINE_RETURN_LSE
+        if (t == 0) lse[row] = row_lse;
+#endif
+    }
+}

@@ -1,0 +1,364 @@
+"""The tensor-core attention family (kernels_cu/attention_mma.cu) against the float64 oracle.
+
+Emulated on the CPU (tensor_core.cuh's C++ bodies follow the PTX fragment layouts lane by lane)
+and, marked ``gpu``, on CuPy arrays. Every case goes through the CUDA engine's seam
+(:func:`cuonline.engines.cuda.attention`) and first asserts that the planner really picked the
+tensor-core family. Then the dispatch and tile heuristics (pure functions), the PTX that NVRTC
+makes of each element type, and deliberately broken copies of the kernel (tests/mutants/) that
+the matrix must catch.
+
+Cost: the emulated run of a case takes milliseconds; each distinct variant costs one g++
+compile (~3 s, cached on disk), so the cases below share variants where they can.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from oracle import reference_attention
+
+from cuonline._validate import validate_attention
+from cuonline.engines import cuda
+from cuonline.kernels import heuristics, nvrtc, source
+from cuonline.kernels.specs import MMA_INSTRUCTIONS, MmaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "mutants"))
+import make_mutants  # noqa: E402
+from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors  # noqa: E402
+
+_emulate_reason = emulation_available()
+_gpu_reason = gpu_available()
+BACKENDS = [
+    pytest.param("emulate", id="emulate",
+                 marks=pytest.mark.skipif(_emulate_reason is not None,
+                                          reason=_emulate_reason or "")),
+    pytest.param("cupy", id="cupy",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")]),
+]
+needs_emulation = pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
+
+# dtype ids -> (dtype, precision)
+DTYPES = {"f16": (np.float16, "highest"), "tf32": (np.float32, "tf32"),
+          "f64": (np.float64, "highest")}
+if BFLOAT16 is not None:
+    DTYPES["bf16"] = (BFLOAT16, "highest")
+
+_DEFAULTS = dict(scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
+                 alibi_slopes=None, softcap=None, return_lse=False)
+
+
+def problem_of(backend, q, k, v, precision="highest", **options):
+    xp = np
+    if backend == "cupy":
+        import cupy as xp  # noqa: PLC0415
+    kwargs = dict(_DEFAULTS)
+    kwargs.update({n: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
+                   for n, x in options.items()})
+    return validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
+                              precision=precision, **kwargs)
+
+
+def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=None,
+            kernel_sources=None, expect_cp_async=None, **options):
+    """Run the engine on the tensor-core family; NumPy results."""
+    p = problem_of(backend, q, k, v, precision, **options)
+    plan = heuristics.plan_attention(p, n_splits=n_splits,
+                                     num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
+                                     cp_async=cuda.cp_async_aligned(p))
+    assert isinstance(plan.spec, MmaSpec), plan.spec.key       # the dispatcher picked it
+    if expect_cp_async is not None:
+        assert plan.spec.cp_async == expect_cp_async, plan.spec.key
+    out, lse = cuda.attention(p, n_splits=n_splits, num_sms=num_sms,
+                              kernel_sources=kernel_sources)
+    if backend == "cupy":
+        out, lse = out.get(), (None if lse is None else lse.get())
+    return out, lse
+
+
+def tf32_bound(q, k, v, scale, lk_eff):
+    """(out bound per row, lse bound per row) for precision="tf32", elementwise in the row.
+
+    Scores: each q and k element is rounded to tf32 (10 explicit mantissa bits, nearest:
+    relative error <= 2^-11) and the products are summed in float32, so
+    |s~ - s| <= eps_s = scale (2^-10 + 2^-22 + D 2^-24) max_j sum_d |q_d k_jd|.
+    Softmax: perturbing every score by at most eps_s moves the weights by at most
+    sum_j |p~_j - p_j| <= exp(2 eps_s) - 1 and lse by at most eps_s.
+    P·V: P and V rounded to tf32 again and summed in float32 over Lk keys:
+    (2^-10 + 2^-22 + Lk 2^-24) sum_j p_j |v_j|. Hence
+    |out~ - out| <= (exp(2 eps_s) - 1 + 2^-10 + 2^-22 + Lk 2^-24) max_j |v_j|.
+    (Plus float32 rounding of the output and of lse, a few 2^-24 relative.)
+    """
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    d = q64.shape[-1]
+    absdot = np.einsum("...id,...jd->...ij", np.abs(q64), np.abs(k64)).max(axis=-1)
+    eps_s = abs(scale) * (2.0**-10 + 2.0**-22 + d * 2.0**-24) * absdot     # (..., lq)
+    vmax = np.abs(v64).max(axis=(-2, -1))[..., None]
+    out_bound = (np.expm1(2 * eps_s) + 2.0**-10 + 2.0**-22 + lk_eff * 2.0**-24) * vmax
+    return out_bound + 1e-6 * vmax, eps_s + 1e-6
+
+
+def check(backend, q, k, v, options, *, precision="highest", **seams):
+    options = dict(options)
+    options.setdefault("return_lse", True)
+    out, lse = run_mma(backend, q, k, v, precision=precision, **seams, **options)
+    out_err, lse_err = oracle_errors(q, k, v, out, lse, options)
+    if precision == "tf32":
+        ref_options = {n: x for n, x in options.items() if n != "return_lse"}
+        ref_out, ref_lse = reference_attention(q, k, v, **ref_options)
+        # softcap: |d cap tanh(x / cap) / dx| <= 1, bias and ALiBi add exactly, masks only
+        # remove keys: the bound on the raw scores carries over.
+        scale = options.get("scale") or 1.0 / np.sqrt(q.shape[-1])
+        out_b, lse_b = tf32_bound(q, k, v, scale, k.shape[-2])
+        finite = np.isfinite(ref_lse)
+        assert np.all(np.abs(out - ref_out) <= out_b[..., None]), "tf32 out bound"
+        lse_b = np.broadcast_to(lse_b, ref_lse.shape)
+        assert np.all(np.abs(lse[finite] - ref_lse[finite]) <= lse_b[finite]), "tf32 lse bound"
+        return
+    tol = tolerance(q.dtype)
+    lse_tol = tolerance(np.float64 if q.dtype == np.float64 else np.float32)
+    assert out_err <= tol, f"out error {out_err:.3g} > {tol:.3g}"
+    assert lse_err <= lse_tol, f"lse error {lse_err:.3g} > {lse_tol:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# the emulated (and GPU) matrix
+
+LENGTHS = [(1, 1), (1, 65), (17, 63), (63, 17), (65, 129), (129, 65)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lq, lk", LENGTHS)
+def test_lengths_tails_and_diagonal(backend, causal, lq, lk):
+    # D = 32, Dv = 24: several 64-key tiles, ragged last tiles, 1-4 warps, the causal diagonal
+    q, k, v, opts = make_case(lq * 1000 + lk, lq=lq, lk=lk, d=32, dv=24, dtype=np.float16,
+                              options=("causal",) if causal else ())
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTION_NAMES)
+@pytest.mark.parametrize("lq, lk", [(49, 70), (70, 33)])
+def test_each_option_alone(backend, name, lq, lk):
+    q, k, v, opts = make_case(OPTION_NAMES.index(name) * 1000 + lq, batch=(3,), lq=lq, lk=lk,
+                              d=32, dv=24, dtype=np.float16, options=(name,))
+    check(backend, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("options", [(), OPTION_NAMES[1:]], ids=["plain", "all"])
+def test_dtypes(backend, dtype, options):
+    dt, precision = DTYPES[dtype]
+    q, k, v, opts = make_case(7, batch=(3,), lq=40, lk=75, d=32, dv=24, dtype=dt,
+                              options=options)
+    check(backend, q, k, v, opts, precision=precision)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, d, dv", [
+    ("f16", 64, 64), ("f16", 96, 96), ("f16", 128, 48), ("bf16", 64, 128),
+    ("tf32", 96, 40), ("f64", 64, 96), ("f64", 20, 8),
+])
+def test_head_dims(backend, dtype, d, dv):
+    if dtype not in DTYPES:
+        pytest.skip("bfloat16 needs ml_dtypes")
+    dt, precision = DTYPES[dtype]
+    q, k, v, opts = make_case(d + dv, lq=20, lk=45, d=d, dv=dv, dtype=dt, options=("causal",))
+    check(backend, q, k, v, opts, precision=precision)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["f16", "tf32", "f64"])
+@pytest.mark.parametrize("lq, lk", [(1, 300), (16, 513)])
+def test_split_keys_for_few_queries(backend, dtype, lq, lk):
+    dt, precision = DTYPES[dtype]
+    q, k, v, opts = make_case(lq + lk, batch=(3,), lq=lq, lk=lk, d=32, dv=24, dtype=dt,
+                              options=("causal", "kv_lengths", "return_lse"))
+    p = problem_of("emulate", q, k, v, precision, **opts)
+    assert heuristics.plan_attention(p).n_splits > 1      # the heuristics choose a split
+    check(backend, q, k, v, opts, precision=precision)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_splits", [2, 5])
+def test_forced_split_with_window_and_lengths(backend, n_splits):
+    q, k, v, opts = make_case(3, batch=(2, 2), lq=40, lk=200, d=32, dv=24, dtype=np.float16,
+                              options=("window", "kv_lengths", "causal"))
+    check(backend, q, k, v, opts, n_splits=n_splits)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["f16", "f64"])
+def test_strided_views_take_the_plain_loader(backend, dtype):
+    dt, _ = DTYPES[dtype]
+    rng = np.random.default_rng(11)
+    # q: a transposed view (B, G, Lq, D) of a (Lq, B, G, D) array; k: reversed along keys;
+    # v: a transposed (column stride != 1) view; k and v broadcast over the G query heads.
+    q = np.moveaxis(rng.standard_normal((21, 2, 3, 16)).astype(dt), 0, 2)
+    k = rng.standard_normal((2, 1, 50, 16)).astype(dt)[:, :, ::-1]
+    v = rng.standard_normal((2, 1, 16, 50)).astype(dt).swapaxes(-1, -2)
+    bias = rng.standard_normal((3, 1, 50)).astype(np.float32)
+    check(backend, q, k, v, {"bias": bias, "causal": True}, expect_cp_async=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_misaligned_rows_take_the_plain_loader(backend):
+    # D = 36 halves: 72-byte rows, not whole 16-byte chunks
+    q, k, v, opts = make_case(12, lq=30, lk=40, d=36, dv=24, dtype=np.float16)
+    check(backend, q, k, v, opts, expect_cp_async=False)
+    # an aligned contiguous problem takes cp.async
+    q, k, v, opts = make_case(12, lq=30, lk=40, d=32, dv=24, dtype=np.float16)
+    check(backend, q, k, v, opts, expect_cp_async=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_padding_is_never_read(backend):
+    q, k, v, opts = make_case(5, batch=(2,), lq=9, lk=80, d=32, dv=24, dtype=np.float16,
+                              options=("kv_lengths",))
+    opts["kv_lengths"] = np.array([13, 80])
+    k[0, 13:] = np.nan
+    v[0, 13:] = np.nan
+    out, lse = run_mma(backend, q, k, v, return_lse=True, **opts)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    ref, _ = reference_attention(q, np.nan_to_num(k), np.nan_to_num(v), **opts)
+    assert np.abs(out - ref).max() <= tolerance(np.float16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_logits_and_fully_masked_rows(backend):
+    q, k, v, opts = make_case(9, batch=(2,), lq=20, lk=70, d=32, dv=24, dtype=np.float16,
+                              options=("mask",))
+    q *= np.float16(8)            # scores ~ 8 * 8 * sqrt(32) / sqrt(32): exp would overflow f32
+    opts["mask"][0, 5, :] = False
+    check(backend, q, k, v, opts)
+
+
+def test_tf32_is_really_tf32():
+    """precision="tf32" errors sit at the tf32 level (well above float32's), under the bound."""
+    if _emulate_reason is not None:
+        pytest.skip(_emulate_reason)
+    q, k, v, opts = make_case(7, batch=(3,), lq=40, lk=75, d=32, dv=24, dtype=np.float32)
+    out, _ = run_mma("emulate", q, k, v, precision="tf32")
+    ref, _ = reference_attention(q, k, v)
+    assert np.abs(out - ref).max() > 1e-5          # not exact float32
+    check("emulate", q, k, v, {}, precision="tf32")
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch and heuristics (pure functions)
+
+
+def test_dispatch_picks_the_family():
+    cases = [("float16", 64, 64, "highest", True), ("bfloat16", 256, 256, "highest", True),
+             ("float64", 128, 128, "highest", True), ("float64", 64, 256, "highest", False),
+             ("float32", 64, 64, "highest", False), ("float32", 64, 64, "tf32", True),
+             ("float32", 256, 200, "tf32", True), ("float16", 300, 64, "highest", False)]
+    for dtype, d, dv, precision, expected in cases:
+        assert heuristics.uses_mma(dtype, d, dv, precision) is expected, (dtype, d, dv)
+
+
+def test_mma_tiles_fit_the_budgets():
+    for (arch, dtype, bucket), (warps, block_n, stages) in heuristics.MMA_TILES.items():
+        for width in {bucket, bucket // 2 + 1}:
+            for lq in (1, 17, 4096):
+                w, bn, s = heuristics.choose_mma_tiles(dtype, width, width, lq, arch)
+                spec = MmaSpec(dtype=dtype, d=width, dv=width, warps=w, block_n=bn, stages=s)
+                assert spec.shared_bytes <= heuristics.SMEM_OPT_IN_LIMIT[arch], spec.key
+                assert (w - 1) * 16 < max(lq, 1)          # no warp without a row
+                assert w <= warps and bn == block_n and s == stages
+
+
+def test_plan_keys_are_readable():
+    q, k, v, _ = make_case(1, lq=4096 // 64, lk=64, d=64, dv=64, dtype=np.float16)
+    p = problem_of("emulate", q, k, v, causal=True)
+    plan = heuristics.plan_attention(p)
+    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm64_bn64_s2_window"
+    assert plan.block == (128, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
+    forced = heuristics.plan_attention(p, family="attention_fwd")
+    assert forced.spec.family == "attention_fwd"
+
+
+def test_source_pastes_the_family_headers():
+    spec = MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)
+    text = source.build_source(spec)
+    order = [text.index(m) for m in ("struct SoftmaxState", "namespace tc {",
+                                     "cuonline_attention_combine(", "cuonline_attention_mma(")]
+    assert order == sorted(order)
+
+
+# --------------------------------------------------------------------------------------------
+# the PTX: each element type issues its tensor-core instruction
+
+needs_nvrtc = pytest.mark.skipif(
+    not nvrtc.nvrtc_available(),
+    reason='NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
+           '"nvidia-cuda-runtime==13.*")',
+)
+
+PTX_EXPECTED = {
+    "float16": ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                "cp.async.cg.shared.global", "cp.async.wait_group"],
+    "bfloat16": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                 "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                 "cp.async.cg.shared.global", "cp.async.wait_group"],
+    "float32": ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
+                "cp.async.cg.shared.global"],
+    "float64": ["mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64",
+                "cp.async.cg.shared.global"],
+}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", sorted(PTX_EXPECTED))
+def test_ptx_holds_the_tensor_core_instructions(dtype):
+    spec = MmaSpec(dtype=dtype, d=64, dv=64, warps=4, block_n=32, stages=2)
+    ptx, log = nvrtc.compile_ptx(source.build_source(spec), "sm_80", name=f"{spec.key}.cu")
+    assert spec.instruction == MMA_INSTRUCTIONS[dtype][0]
+    for instruction in PTX_EXPECTED[dtype]:
+        assert instruction in ptx, f"{instruction} not in the PTX of {spec.key}"
+    others = {i for dt, (i, _) in MMA_INSTRUCTIONS.items() if dt != dtype}
+    assert not any(i in ptx for i in others)
+    # the element-wise loader issues no cp.async
+    plain = MmaSpec(dtype=dtype, d=64, dv=64, warps=4, block_n=32, stages=2, cp_async=False)
+    ptx, _ = nvrtc.compile_ptx(source.build_source(plain), "sm_80", name=f"{plain.key}.cu")
+    assert "cp.async.cg" not in ptx and spec.instruction in ptx
+
+
+# --------------------------------------------------------------------------------------------
+# mutants: deliberately broken kernels that the matrix must catch
+
+MMA_MUTANTS = {
+    # name: dtype id of the case that runs it
+    "mma_k_frag_swapped": "f16",
+    "mma_tf32_pv_order": "tf32",
+    "mma_no_cp_async_wait": "f16",
+    "no_rescale": "f64",       # common.cuh's SoftmaxState, shared with the SIMT family
+}
+
+
+@needs_emulation
+@pytest.mark.parametrize("name", sorted(MMA_MUTANTS))
+def test_mutants_fail_the_oracle_comparison(name):
+    dt, precision = DTYPES[MMA_MUTANTS[name]]
+    q, k, v, _ = make_case(4, lq=17, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
+    file = make_mutants.MUTANTS[name][0]
+    sources = {file: make_mutants.mutant_path(name).read_text(encoding="utf-8")}
+    out, lse = run_mma("emulate", q, k, v, precision=precision, return_lse=True,
+                       kernel_sources=sources)
+    ref_out, ref_lse = reference_attention(q, k, v)
+    err = np.nanmax(np.abs(out - ref_out), initial=0.0)
+    threshold = {"f16": 0.04, "tf32": 0.01, "f64": 1e-6}[MMA_MUTANTS[name]]
+    broken = (not np.isfinite(out).all()) or err > threshold
+    assert broken, (name, err)
+    # and the real kernel passes the same case
+    check("emulate", q, k, v, {}, precision=precision)
