@@ -8,7 +8,8 @@ makes of each element type, and deliberately broken copies of the kernel (tests/
 the matrix must catch.
 
 Cost: the emulated run of a case takes milliseconds; each distinct variant costs one g++
-compile (~3 s, cached on disk), so the cases below share variants where they can.
+compile (~3 s, cached on disk), so the cases below share variants where they can (most use
+D = 32, Dv = 24 and Lq = 49, i.e. four warps).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def test_each_option_alone(backend, name, lq, lk):
 @pytest.mark.parametrize("options", [(), OPTION_NAMES[1:]], ids=["plain", "all"])
 def test_dtypes(backend, dtype, options):
     dt, precision = DTYPES[dtype]
-    q, k, v, opts = make_case(7, batch=(3,), lq=40, lk=75, d=32, dv=24, dtype=dt,
+    q, k, v, opts = make_case(7, batch=(3,), lq=49, lk=75, d=32, dv=24, dtype=dt,
                               options=options)
     check(backend, q, k, v, opts, precision=precision)
 
@@ -211,16 +212,16 @@ def test_strided_views_take_the_plain_loader(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_misaligned_rows_take_the_plain_loader(backend):
     # D = 36 halves: 72-byte rows, not whole 16-byte chunks
-    q, k, v, opts = make_case(12, lq=30, lk=40, d=36, dv=24, dtype=np.float16)
+    q, k, v, opts = make_case(12, lq=49, lk=40, d=36, dv=24, dtype=np.float16)
     check(backend, q, k, v, opts, expect_cp_async=False)
     # an aligned contiguous problem takes cp.async
-    q, k, v, opts = make_case(12, lq=30, lk=40, d=32, dv=24, dtype=np.float16)
+    q, k, v, opts = make_case(12, lq=49, lk=40, d=32, dv=24, dtype=np.float16)
     check(backend, q, k, v, opts, expect_cp_async=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_padding_is_never_read(backend):
-    q, k, v, opts = make_case(5, batch=(2,), lq=9, lk=80, d=32, dv=24, dtype=np.float16,
+    q, k, v, opts = make_case(5, batch=(2,), lq=49, lk=80, d=32, dv=24, dtype=np.float16,
                               options=("kv_lengths",))
     opts["kv_lengths"] = np.array([13, 80])
     k[0, 13:] = np.nan
@@ -233,7 +234,7 @@ def test_nan_padding_is_never_read(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_logits_and_fully_masked_rows(backend):
-    q, k, v, opts = make_case(9, batch=(2,), lq=20, lk=70, d=32, dv=24, dtype=np.float16,
+    q, k, v, opts = make_case(9, batch=(2,), lq=49, lk=70, d=32, dv=24, dtype=np.float16,
                               options=("mask",))
     q *= np.float16(8)            # scores ~ 8 * 8 * sqrt(32) / sqrt(32): exp would overflow f32
     opts["mask"][0, 5, :] = False
@@ -244,7 +245,7 @@ def test_tf32_is_really_tf32():
     """precision="tf32" errors sit at the tf32 level (well above float32's), under the bound."""
     if _emulate_reason is not None:
         pytest.skip(_emulate_reason)
-    q, k, v, opts = make_case(7, batch=(3,), lq=40, lk=75, d=32, dv=24, dtype=np.float32)
+    q, k, v, opts = make_case(7, batch=(3,), lq=49, lk=75, d=32, dv=24, dtype=np.float32)
     out, _ = run_mma("emulate", q, k, v, precision="tf32")
     ref, _ = reference_attention(q, k, v)
     assert np.abs(out - ref).max() > 1e-5          # not exact float32
@@ -305,11 +306,11 @@ needs_nvrtc = pytest.mark.skipif(
 PTX_EXPECTED = {
     "float16": ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-                "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                 "cp.async.cg.shared.global", "cp.async.wait_group"],
     "bfloat16": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-                 "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                 "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                  "cp.async.cg.shared.global", "cp.async.wait_group"],
     "float32": ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
                 "cp.async.cg.shared.global"],
@@ -350,7 +351,7 @@ MMA_MUTANTS = {
 @pytest.mark.parametrize("name", sorted(MMA_MUTANTS))
 def test_mutants_fail_the_oracle_comparison(name):
     dt, precision = DTYPES[MMA_MUTANTS[name]]
-    q, k, v, _ = make_case(4, lq=17, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
+    q, k, v, _ = make_case(4, lq=49, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
     file = make_mutants.MUTANTS[name][0]
     sources = {file: make_mutants.mutant_path(name).read_text(encoding="utf-8")}
     out, lse = run_mma("emulate", q, k, v, precision=precision, return_lse=True,

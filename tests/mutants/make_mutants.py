@@ -37,17 +37,17 @@ MUTANTS = {
     # takes n-tile 0's first register and n-tile 1's second): a wrong fragment layout.
     "mma_k_frag_swapped": (
         "attention_mma.cu",
-        "b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
-        "b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
+        "k0 + ((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
+        "k0 + ((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
     ),
     # Tensor-core family, tf32: V read in natural key order while P keeps the lane order
     # (keys 2t, 2t + 1): P·V pairs probabilities with the wrong value rows.
     "mma_tf32_pv_order": (
         "attention_mma.cu",
-        "        b[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + g)]);\n"
-        "        b[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + g)]);",
-        "        b[0] = to_tf32(s[L::offset(8 * kk + t, n0 + g)]);\n"
-        "        b[1] = to_tf32(s[L::offset(8 * kk + t + 4, n0 + g)]);",
+        "        b0[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + g)]);\n"
+        "        b0[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + g)]);",
+        "        b0[0] = to_tf32(s[L::offset(8 * kk + t, n0 + g)]);\n"
+        "        b0[1] = to_tf32(s[L::offset(8 * kk + t + 4, n0 + g)]);",
     ),
     # Tensor-core family: the K/V stage is read without waiting for its cp.async group (the
     # emulation lands copies only at the wait: the tile reads as poison).

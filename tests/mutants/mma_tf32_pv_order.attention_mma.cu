@@ -56,7 +56,8 @@ typedef CUONLINE_ACC Acc;
 //   AFrag, BFrag             register fragments of A (16 x kK) and B (kK x 8)
 //   load_a<L>(a, s, r0, k0)  A = s[r0 .. r0+16)[k0 .. k0+kK)       (s: (rows, cols) tile, L layout)
 //   load_bt2<L>(b0, b1, s, n0, k0)   B = s[n0 .. n0+8)[k0 ..]^T and the next 8 rows (K for Q·K^T)
-//   load_pv_b<L>(b, s, kk, n0)       B of P·V k-step kk: s[keys of kk][n0 .. n0+8) (V)
+//   load_pv_b2<L>(b0, b1, s, kk, n0) B of P·V k-step kk: s[keys of kk][n0 .. n0+8) (V), and
+//                                    the next 8 columns
 //   p_to_a(a, p, kk)         the A fragment of P·V k-step kk from the score accumulators p
 //   mma(d, a, b)             d += a b on one 16x8 tile
 // P·V may visit the keys of a k-step in any order as long as p_to_a and load_pv_b agree: tf32
@@ -86,11 +87,15 @@ template <class T16> struct Ops16 {
         ldmatrix_x4(r, s + L::offset(n0 + (lane / 16) * 8 + lane % 8, k0 + ((lane / 8) % 2) * 8));
         b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
     }
-    // ldmatrix x2 .trans of a (k, n) tile: lane supplies key row 16 kk + lane % 16 at column n0
-    // (lanes 16-31 repeat lanes 0-15: their addresses are ignored but must be valid)
+    // ldmatrix x4 .trans of a (k, n) tile: lane supplies key row 16 kk + lane % 16 at column
+    // n0 + 8 (lane / 16); registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
     template <class L>
-    __device__ __forceinline__ static void load_pv_b(BFrag& b, const T16* s, int kk, int n0) {
-        ldmatrix_x2_trans(b, s + L::offset(16 * kk + lane_() % 16, n0));
+    __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const T16* s, int kk,
+                                                     int n0) {
+        const int lane = lane_();
+        unsigned r[4];
+        ldmatrix_x4_trans(r, s + L::offset(16 * kk + lane % 16, n0 + (lane / 16) * 8));
+        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
     }
     // Two n-tiles of the score accumulators are one A fragment (acc_to_a_frag).
     template <int kNt>
@@ -134,10 +139,13 @@ template <> struct Ops<float> {
     // k-step kk covers keys 8 kk .. 8 kk + 7 in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t)
     // holds P[g][2t], P[g][2t+1] = A[g][t], A[g][t+4], so B[t][n] = V[2t][n], B[t+4][n] = V[2t+1][n].
     template <class L>
-    __device__ __forceinline__ static void load_pv_b(BFrag& b, const float* s, int kk, int n0) {
+    __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const float* s, int kk,
+                                                     int n0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b[0] = to_tf32(s[L::offset(8 * kk + t, n0 + g)]);
-        b[1] = to_tf32(s[L::offset(8 * kk + t + 4, n0 + g)]);
+        b0[0] = to_tf32(s[L::offset(8 * kk + t, n0 + g)]);
+        b0[1] = to_tf32(s[L::offset(8 * kk + t + 4, n0 + g)]);
+        b1[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + 8 + g)]);
+        b1[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + 8 + g)]);
     }
     template <int kNt>
     __device__ __forceinline__ static void p_to_a(AFrag& a, const float (&p)[kNt][4], int kk) {
@@ -174,9 +182,11 @@ template <> struct Ops<double> {
     // k-step kk covers keys 8 (kk / 2) + 2t + (kk % 2), t = 0..3: the column of the score
     // accumulator the lane already holds (p[kk / 2][kk % 2] and p[kk / 2][2 + kk % 2]).
     template <class L>
-    __device__ __forceinline__ static void load_pv_b(BFrag& b, const double* s, int kk, int n0) {
+    __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const double* s, int kk,
+                                                     int n0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + g)];
+        b0[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + g)];
+        b1[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + 8 + g)];
     }
     template <int kNt>
     __device__ __forceinline__ static void p_to_a(AFrag& a, const double (&p)[kNt][4], int kk) {
@@ -266,7 +276,9 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
 }  // namespace mma
 }  // namespace cuonline
 
-extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads)
+// min 1 block per SM: without it sm_90's ptxas aimed at 128 registers and spilled (f16, D = 64,
+// kv_lengths); the accumulators need more, and occupancy comes from shared memory anyway.
+extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads, 1)
 cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
                        const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
                        const CUONLINE_T* __restrict__ v,          // per batch: (lk, Dv)
@@ -493,16 +505,20 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
                 typename Op::AFrag pf;
                 Op::p_to_a(pf, sc, kk);
 #pragma unroll
-                for (int nv = 0; nv < kNv; ++nv) {
-                    typename Op::BFrag vf;
-                    Op::template load_pv_b<LV>(vf, sVn, kk, nv * 8);
-                    Acc o[4] = {state[0].o[2 * nv], state[0].o[2 * nv + 1],
-                                state[1].o[2 * nv], state[1].o[2 * nv + 1]};
-                    Op::mma(o, pf, vf);
-                    state[0].o[2 * nv] = o[0];
-                    state[0].o[2 * nv + 1] = o[1];
-                    state[1].o[2 * nv] = o[2];
-                    state[1].o[2 * nv + 1] = o[3];
+                for (int nv = 0; nv < kNv; nv += 2) {
+                    typename Op::BFrag vf[2];
+                    Op::template load_pv_b2<LV>(vf[0], vf[1], sVn, kk, nv * 8);
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int n = nv + u;
+                        Acc o[4] = {state[0].o[2 * n], state[0].o[2 * n + 1],
+                                    state[1].o[2 * n], state[1].o[2 * n + 1]};
+                        Op::mma(o, pf, vf[u]);
+                        state[0].o[2 * n] = o[0];
+                        state[0].o[2 * n + 1] = o[1];
+                        state[1].o[2 * n] = o[2];
+                        state[1].o[2 * n + 1] = o[3];
+                    }
                 }
             }
             // every warp is done with this stage before a later iteration refills it
