@@ -276,8 +276,9 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
 }  // namespace mma
 }  // namespace cuonline
 
-// min 1 block per SM: without it sm_90's ptxas aimed at 128 registers and spilled (f16, D = 64,
-// kv_lengths); the accumulators need more, and occupancy comes from shared memory anyway.
+// "at least 1 block per SM": without it sm_90's ptxas capped some variants at 128 registers (4
+// blocks of 128 threads per SM) and spilled (f16, D = 64, kv_lengths); with it they take ~150
+// and 3 blocks fit. Whether the spill-free variant is also the faster one is for a GPU to say.
 extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads, 1)
 cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
                        const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
