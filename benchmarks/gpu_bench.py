@@ -99,7 +99,15 @@ def cases(quick):
                     yield dtype, d, n, causal
 
 
-def run(args):
+def save(out, rows):
+    """Write the JSON and the table so far: a run cut short by a timeout still reports."""
+    (out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    (out / "gpu_bench.md").write_text(table)
+    return table
+
+
+def run(args, out):
     import cupy
 
     import cuonline
@@ -144,6 +152,7 @@ def run(args):
                 row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
             rows.append(row)
             print(format_row(row), flush=True)
+            save(out, rows)
             cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -192,11 +201,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    rows = run(args)
-    (out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (out / "gpu_bench.md").write_text(table)
-    print(table)
+    rows = run(args, out)
+    print(save(out, rows))
     print(f"benchmark time {time.time() - start:.0f} s", file=sys.stderr)
 
 
