@@ -68,7 +68,7 @@ def run_demo(args) -> int:
     print(f"input       : {length} bases of random DNA, one-hot -> {heads} heads x D={d}")
     print(f"shapes      : q, k, v {q.shape} float32; bias {bias.shape} (Toeplitz view, "
           f"strides {bias.strides})")
-    print(f"options     : causal=True, relative-position bias")
+    print("options     : causal=True, relative-position bias")
     print(f"output      : {out.shape} {out.dtype}")
     print(f"time        : {seconds * 1e3:.1f} ms ({flops / seconds / 1e9:.1f} GFLOP/s)")
     print(f"max |error| : {error:.2e} against a float64 reference")

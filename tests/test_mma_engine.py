@@ -4,7 +4,7 @@ Emulated on the CPU (tensor_core.cuh's C++ bodies follow the PTX fragment layout
 and, marked ``gpu``, on CuPy arrays. Every case goes through the CUDA engine's seam
 (:func:`cuonline.engines.cuda.attention`) and first asserts that the planner really picked the
 tensor-core family. Then the dispatch and tile heuristics (pure functions), the PTX that NVRTC
-makes of each element type, and deliberately broken copies of the kernel (tests/mutants/) that
+makes of each element type, and deliberately broken copies of the kernel (tests/mutants.py) that
 the matrix must catch.
 
 Cost: the emulated run of a case takes milliseconds; each distinct variant costs one g++
@@ -14,23 +14,18 @@ D = 32, Dv = 24 and Lq = 49, i.e. four warps).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from mutants import mutant_sources
 from oracle import reference_attention
+from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors
 
 from cuonline._validate import validate_attention
 from cuonline.engines import cuda
 from cuonline.kernels import heuristics, nvrtc, source
 from cuonline.kernels.specs import MMA_INSTRUCTIONS, MmaSpec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "mutants"))
-import make_mutants  # noqa: E402
-from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors  # noqa: E402
 
 _emulate_reason = emulation_available()
 _gpu_reason = gpu_available()
@@ -352,8 +347,7 @@ MMA_MUTANTS = {
 def test_mutants_fail_the_oracle_comparison(name):
     dt, precision = DTYPES[MMA_MUTANTS[name]]
     q, k, v, _ = make_case(4, lq=49, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
-    file = make_mutants.MUTANTS[name][0]
-    sources = {file: make_mutants.mutant_path(name).read_text(encoding="utf-8")}
+    sources = mutant_sources(name)
     out, lse = run_mma("emulate", q, k, v, precision=precision, return_lse=True,
                        kernel_sources=sources)
     ref_out, ref_lse = reference_attention(q, k, v)

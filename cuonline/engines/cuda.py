@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from ..kernels import heuristics, source
-from ..kernels.specs import MAX_HEAD_DIM, MmaSpec
+from ..kernels.specs import MAX_HEAD_DIM
 
 __all__ = ["attention"]
 

@@ -1,16 +1,16 @@
-"""Write the deliberately broken kernel copies in this folder from the current kernel sources.
+"""Deliberately broken kernels: each is the real kernel file with one textual edit.
 
-Each mutant is the real file with one textual edit; ``tests/test_cuda_engine.py`` checks that
-the copies here are up to date (rerun ``python tests/mutants/make_mutants.py`` after editing a
-kernel) and that the tests catch every one of them.
+The tests compile a mutant through the engine's ``kernel_sources`` seam (the same source path
+as the real kernel) and check that the oracle comparison, or ThreadSanitizer, catches it. The
+edits are applied in memory to the current kernel text; an edit whose text no longer occurs
+exactly once raises, so a kernel change cannot silently turn a mutant into the real kernel.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-KERNELS = HERE.parents[1] / "kernels_cu"
+KERNELS = Path(__file__).resolve().parents[1] / "kernels_cu"
 
 # mutant name -> (kernel file, text to find (exactly once), replacement)
 MUTANTS = {
@@ -59,24 +59,10 @@ MUTANTS = {
 }
 
 
-def mutant_path(name: str) -> Path:
-    return HERE / f"{name}.{MUTANTS[name][0]}"
-
-
-def mutant_text(name: str) -> str:
-    """The mutant's text, built from the current kernel file."""
+def mutant_sources(name: str) -> dict:
+    """``{kernel file name: mutated text}``, for ``cuda.attention(kernel_sources=...)``."""
     file, find, replace = MUTANTS[name]
     text = (KERNELS / file).read_text(encoding="utf-8")
     if text.count(find) != 1:
         raise ValueError(f"mutant {name}: the edited text occurs {text.count(find)} times in {file}")
-    return text.replace(find, replace)
-
-
-def main():
-    for name in MUTANTS:
-        mutant_path(name).write_text(mutant_text(name), encoding="utf-8")
-        print("wrote", mutant_path(name).relative_to(HERE.parents[1]))
-
-
-if __name__ == "__main__":
-    main()
+    return {file: text.replace(find, replace)}
