@@ -1,4 +1,4 @@
-"""Command line: ``python -m cuonline {demo, info, kernels}``."""
+"""Command line: ``python -m cuonline {demo, info, kernels, tune}``."""
 
 from __future__ import annotations
 
@@ -24,8 +24,28 @@ def main(argv=None) -> int:
     kernels = commands.add_parser("kernels", help="NVRTC listing of every CUDA specialisation")
     kernels.add_argument("--arch", default="sm_90", help="target, e.g. sm_80 or sm_90")
     kernels.add_argument("--json", action="store_true", help="machine-readable output")
+    tune = commands.add_parser(
+        "tune", help="time tile candidates on this GPU; later runs use the fastest",
+        description="Time each tile candidate of the attention kernels on the current CUDA GPU "
+                    "and store the fastest per (dtype, D) in the user's cache directory "
+                    "($CUONLINE_CACHE_DIR/tuning or ~/.cache/cuonline/tuning), where later "
+                    "runs on this GPU and cuonline version find them.")
+    tune.add_argument("--dtypes", type=_dtype_list, default=_dtype_list(",".join(_TUNE_DTYPES)),
+                      help="comma-separated element dtypes (default: all four; float32 tunes "
+                           "both the exact SIMT kernels and precision='tf32')")
+    tune.add_argument("--dims", type=_dim_list, default=(64, 128),
+                      help="comma-separated head dims, tuned per bucket 32/64/128/256 "
+                           "(default 64,128)")
+    tune.add_argument("--quick", action="store_true",
+                      help="built-in tiles and their neighbours only, N=2048, non-causal")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="list the candidates and exit (no GPU needed)")
+    tune.add_argument("--arch", default=None,
+                      help="with --dry-run: target (default: this GPU's, else sm_90)")
+    tune.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    return {"demo": run_demo, "info": run_info, "kernels": run_kernels}[args.command](args)
+    return {"demo": run_demo, "info": run_info, "kernels": run_kernels,
+            "tune": run_tune}[args.command](args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,13 +121,18 @@ def _synchronize(xp):
 
 def _gpu():
     """Name of the current CUDA device, or None when CuPy has no usable GPU."""
+    return _gpu_or_reason()[0]
+
+
+def _gpu_or_reason():
+    """``(name, None)`` of the current CUDA device, or ``(None, why there is none)``."""
     try:
         import cupy
 
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        return props["name"].decode()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device all mean "no GPU"
-        return None
+        return props["name"].decode(), None
+    except Exception as exc:  # noqa: BLE001 - no CuPy, no driver or no device all mean "no GPU"
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,6 +195,111 @@ def run_kernels(args) -> int:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in rows:
         print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# tune
+
+_TUNE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _dtype_list(text):
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in _TUNE_DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"dtypes must be among {', '.join(_TUNE_DTYPES)}, got {text!r}")
+    return names
+
+
+def _dim_list(text):
+    try:
+        dims = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        dims = ()
+    if not dims or not all(1 <= d <= 256 for d in dims):
+        raise argparse.ArgumentTypeError(f"dims must be integers in 1..256, got {text!r}")
+    return dims
+
+
+def _tune_keys(args):
+    """``(dtype, bucket, family, precision)`` in the order tune measures them."""
+    from .kernels import heuristics, tuning
+
+    buckets = sorted({heuristics.d_bucket(d) for d in args.dims})
+    return [(dtype, bucket, family, precision) for dtype in args.dtypes for bucket in buckets
+            for family, precision in tuning.targets(dtype, bucket)]
+
+
+def _label(dtype, bucket, family, precision):
+    return f"{family}/{'tf32' if precision == 'tf32' else dtype}/d{bucket}"
+
+
+def run_tune(args) -> int:
+    from .kernels import tuning
+
+    if args.dry_run:
+        return _tune_dry_run(args)
+    gpu, reason = _gpu_or_reason()
+    if gpu is None:
+        print(f"python -m cuonline tune needs a CUDA GPU (CuPy found none: {reason}); "
+              f"--dry-run lists the candidates without one", file=sys.stderr)
+        return 1
+    doc = tuning.measure(args.dtypes, args.dims, quick=args.quick,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if not doc["entries"]:
+        print("cuonline tune: no candidate ran; nothing stored", file=sys.stderr)
+        return 1
+    path = tuning.store(doc)
+    if args.json:
+        json.dump({"path": str(path), "document": doc}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{doc['gpu']} ({doc['arch']}), cuonline {doc['cuonline']}: stored in {path}")
+    for entry in doc["entries"]:
+        times = {tuple(r["tiles"]): r["ms"] for r in entry["results"]}
+        builtin, best = tuple(entry["builtin"]), tuple(entry["tiles"])
+        label = _label(entry["dtype"], entry["d"], entry["family"], entry["precision"])
+        before = times.get(builtin)
+        ratio = f"  ({before / times[best]:.2f}x)" if before else ""
+        print(f"  {label:28s} built-in {builtin}: "
+              f"{'failed' if before is None else f'{before:.3f} ms'}  ->  "
+              f"{best}: {times[best]:.3f} ms{ratio}")
+    return 0
+
+
+def _tune_dry_run(args) -> int:
+    from .kernels import tuning
+
+    arch = args.arch
+    if arch is None:
+        gpu, _ = _gpu_or_reason()
+        arch = tuning.device_identity()[1] if gpu is not None else "sm_90"
+    rows = []
+    for dtype, bucket, family, precision in _tune_keys(args):
+        for i, tiles in enumerate(tuning.candidates(arch, dtype, bucket, family,
+                                                    quick=args.quick)):
+            spec = tuning.spec_of(family, dtype, bucket, tiles)
+            rows.append({"family": family, "dtype": dtype, "d": bucket,
+                         "precision": precision, "tiles": list(tiles), "key": spec.key,
+                         "shared_bytes": spec.shared_bytes, "builtin": i == 0})
+    if args.json:
+        json.dump({"arch": arch, "candidates": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"candidates for {arch} (nothing measured: --dry-run)")
+    label = None
+    for row in rows:
+        here = _label(row["dtype"], row["d"], row["family"], row["precision"])
+        if here != label:
+            label = here
+            count = sum(_label(r["dtype"], r["d"], r["family"], r["precision"]) == here
+                        for r in rows)
+            print(f"{label}: {count} candidates")
+        note = "  built-in" if row["builtin"] else ""
+        print(f"  {row['key']:48s} tiles {tuple(row['tiles'])!s:13s} "
+              f"shared {row['shared_bytes'] / 1024:6.1f} KiB{note}")
     return 0
 
 

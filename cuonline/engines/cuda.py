@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from ..kernels import heuristics, source
+from ..kernels import heuristics, source, tuning
 from ..kernels.specs import MAX_HEAD_DIM
 
 __all__ = ["attention"]
@@ -35,7 +35,7 @@ _modules_lock = threading.Lock()
 
 
 def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
-              emulate_options=None, family=None, arch=None):
+              emulate_options=None, family=None, arch=None, tuned=None):
     """Run :class:`cuonline._validate.Problem` ``problem``; return ``(out, lse or None)``.
 
     ``out`` has the dtype of the inputs and shape ``batch_shape + (lq, dv)``; ``lse`` the
@@ -44,7 +44,11 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
     names to replacement texts (deliberately broken copies), ``emulate_options`` are passed to
     :func:`cuonline.testing.emulate.compile_module` (``mode``, ``tsan``), ``family`` forces
     ``"attention_fwd"`` (SIMT) or ``"attention_mma"`` (tensor cores) and ``arch`` the tile
-    table (default: the current GPU's, ``"sm_90"`` under the emulation).
+    table (default: the current GPU's, ``"sm_90"`` under the emulation). ``tuned`` maps
+    ``(family, dtype, D bucket)`` to tiles (see :func:`cuonline.kernels.heuristics.tuned_tiles`):
+    ``python -m cuonline tune`` forces each candidate through it; None takes the winners stored
+    for the current GPU (``backend="cupy"``; the emulation keeps the built-in tiles) and ``{}``
+    the built-in tiles.
     """
     p = problem
     if p.backend not in ("cupy", "emulate"):
@@ -69,8 +73,10 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
         num_sms = _num_sms() if p.backend == "cupy" else heuristics.DEFAULT_NUM_SMS
     if arch is None:
         arch = _arch() if p.backend == "cupy" else heuristics.DEFAULT_ARCH
+    if tuned is None:
+        tuned = tuning.current_device_winners() if p.backend == "cupy" else {}
     plan = heuristics.plan_attention(p, num_sms=num_sms, n_splits=n_splits, arch=arch,
-                                     cp_async=cp_async_aligned(p), family=family)
+                                     cp_async=cp_async_aligned(p), family=family, tuned=tuned)
     module = _module(plan.spec, p.backend, kernel_sources, emulate_options)
     return _launch(p, plan, module)
 

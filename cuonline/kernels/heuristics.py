@@ -15,8 +15,8 @@ import numpy as np
 
 from .specs import MMA_MAX_HEAD_DIM, KernelSpec, MmaSpec
 
-__all__ = ["MMA_TILES", "Plan", "choose_mma_tiles", "choose_splits", "choose_tiles",
-           "plan_attention", "uses_mma"]
+__all__ = ["D_BUCKETS", "MMA_TILES", "Plan", "choose_mma_tiles", "choose_splits",
+           "choose_tiles", "d_bucket", "plan_attention", "tuned_tiles", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
 WARPS = 4
@@ -35,6 +35,9 @@ MAX_GRID_X = 2**31 - 1
 DEFAULT_ARCH = "sm_90"
 #: Dynamic shared memory one block may opt into (sm_80: 163 KiB, sm_90: 227 KiB).
 SMEM_OPT_IN_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+#: Head-dimension buckets of the tile tables (and of `python -m cuonline tune`'s winners).
+D_BUCKETS = (32, 64, 128, 256)
 
 #: Tensor-core family: (arch, dtype, D bucket) -> (warps, block_n, stages). The D bucket is the
 #: smallest of 32, 64, 128, 256 that holds max(D, Dv). A warp owns 16 query rows, so
@@ -61,6 +64,26 @@ for _arch in ("sm_80", "sm_90"):
                       (_arch, "float64", 128): (2, 16, 1)})
 
 
+def d_bucket(width: int) -> int:
+    """The smallest of :data:`D_BUCKETS` that holds ``width`` (= max(D, Dv))."""
+    return next(b for b in D_BUCKETS if width <= b)
+
+
+def tuned_tiles(tuned, family, dtype, width):
+    """The stored winner of ``python -m cuonline tune`` for this family, dtype and head width.
+
+    ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: ``(warps, block_n,
+    stages)`` for ``"attention_mma"``, ``(warps, rows_per_warp, keys_per_lane)`` for
+    ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads and validates it).
+    None or ``{}``: no winner, the built-in choice applies. Returns the tuple or None.
+    """
+    if not tuned:
+        return None
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    tiles = tuned.get((family, name, d_bucket(width)))
+    return None if tiles is None else tuple(tiles)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A launch: the kernel variant and its grid."""
@@ -78,9 +101,22 @@ def _shared_bytes(block_m, block_n, d, dv, acc_bytes):
     return (block_m * d + block_n * (max(d, dv) + 1)) * acc_bytes
 
 
-def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS):
-    """Return ``(warps, rows_per_warp, keys_per_lane)`` for one problem shape."""
+def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None):
+    """Return ``(warps, rows_per_warp, keys_per_lane)`` for one problem shape.
+
+    ``tuned``: winners stored by ``python -m cuonline tune`` (see :func:`tuned_tiles`); one for
+    this dtype and D bucket replaces the built-in choice for long sequences (it was measured at
+    N = 4096); the occupancy rule below still shrinks it for small grids.
+    """
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name  # "bfloat16" w/o ml_dtypes
+    winner = tuned_tiles(tuned, "attention_fwd", name, max(d, dv))
+    if winner is not None and lq > 16:
+        # A measured winner (tuning.candidates kept it within the budgets below at the bucket's
+        # full width, hence at every narrower head); decoding shapes keep the rules below.
+        warps, rows, keys = winner
+        while rows > 2 and nbatch * math.ceil(lq / (warps * rows)) < 2 * num_sms:
+            rows //= 2
+        return warps, rows, keys
     acc_bytes = 8 if name == "float64" else 4
     words = acc_bytes // 4
     cols = math.ceil(dv / 32)
@@ -134,13 +170,19 @@ def uses_mma(dtype, d, dv, precision="highest") -> bool:
     return max(d, dv) <= limit
 
 
-def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH):
-    """Return ``(warps, block_n, stages)`` of the tensor-core family for one problem shape."""
+def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
+    """Return ``(warps, block_n, stages)`` of the tensor-core family for one problem shape.
+
+    ``tuned``: winners stored by ``python -m cuonline tune`` for the current GPU (see
+    :func:`tuned_tiles`); one for this dtype and D bucket comes before :data:`MMA_TILES`.
+    """
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     arch = arch if arch in SMEM_OPT_IN_LIMIT else DEFAULT_ARCH  # newer GPUs: the sm_90 table
     width = max(d, dv)
-    bucket = next(b for b in (32, 64, 128, 256) if width <= b)
-    warps, block_n, stages = MMA_TILES[(arch, name, bucket)]
+    # A measured winner first (measured on this GPU; tuning.candidates kept it within this
+    # arch's shared-memory limit at the bucket's full width), else the built-in table.
+    winner = tuned_tiles(tuned, "attention_mma", name, width)
+    warps, block_n, stages = winner or MMA_TILES[(arch, name, d_bucket(width))]
     # Few query rows: one warp per 16 of them, no idle warps (decoding: one warp; the key split
     # fills the GPU instead).
     warps = max(1, min(warps, math.ceil(max(lq, 1) / 16)))
@@ -161,7 +203,7 @@ def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
 
 
 def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFAULT_ARCH,
-                   cp_async=True, family=None):
+                   cp_async=True, family=None, tuned=None):
     """Plan the launch of :class:`cuonline._validate.Problem` ``problem``.
 
     ``n_splits`` forces a number of key splits (tests); None lets :func:`choose_splits` decide.
@@ -169,7 +211,9 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
     whether q, k and v rows are 16-byte aligned with unit column stride (the host checks the
     strides and data pointers), else the tensor-core kernel loads element by element.
     ``family`` forces ``"attention_fwd"`` (SIMT) or ``"attention_mma"``; None applies
-    :func:`uses_mma`.
+    :func:`uses_mma`. ``tuned`` maps ``(family, dtype, D bucket)`` to the tiles that
+    ``python -m cuonline tune`` measured fastest on this GPU (:func:`tuned_tiles`); None or
+    ``{}`` keeps the built-in choices.
     """
     dtype = np.dtype(problem.dtype)
     if family is None:
@@ -180,11 +224,11 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
         raise ValueError(f"family must be 'attention_fwd' or 'attention_mma', got {family!r}")
     if mma:
         warps, block_n, stages = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                                  arch)
+                                                  arch, tuned)
         block_m = 16 * warps
     else:
         warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                         problem.nbatch, num_sms)
+                                         problem.nbatch, num_sms, tuned)
         block_m, block_n = warps * rows, 32 * keys
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:
