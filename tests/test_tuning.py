@@ -315,3 +315,64 @@ def test_tune_quick_on_the_gpu(cache_dir):
     winners = tuning.current_device_winners()
     assert winners == {("attention_mma", "float16", 64): tuple(ent["tiles"])}
     assert Path(result["path"]) == tuning.tuning_path(doc["gpu"], doc["arch"])
+
+
+def test_measuring_picks_the_fastest_agreeing_candidate(monkeypatch):
+    """The selection logic of tune with the device parts stubbed: a candidate that raises or
+    disagrees with the built-in tiles is recorded and skipped; the fastest of the rest wins."""
+    tiles = tuning.candidates("sm_90", "float16", 64, quick=True)
+    builtin, broken, wrong, fast = tiles[0], tiles[1], tiles[2], tiles[3]
+    ms = {t: 2.0 for t in tiles}
+    ms[wrong] = ms[broken] = 0.1
+    ms[fast] = 1.0
+    current = {}
+
+    class Engine:
+        @staticmethod
+        def attention(p, *, family, arch, num_sms, tuned):
+            (t,) = tuned.values()
+            current["tiles"] = t
+            if t == broken:
+                raise RuntimeError("CUDA_ERROR_INVALID_VALUE: too many resources requested\n..")
+            return np.full((2, 3), 0.5 if t == wrong else 0.25, dtype=np.float16)
+
+    monkeypatch.setattr(tuning, "_inputs", lambda *args: (None, None, None))
+    monkeypatch.setattr(tuning, "_time_ms", lambda fn, repeats: (fn(), ms[current["tiles"]])[1])
+    lines = []
+    entry = tuning._measure_one(Engine, lambda *a, **k: None, "attention_mma", "highest",
+                                "float16", 64, "sm_90", 132, 228 * 1024, tuning.SHAPE, True,
+                                lines.append)
+    assert tuple(entry["tiles"]) == fast and tuple(entry["builtin"]) == builtin
+    rows = {tuple(r["tiles"]): r for r in entry["results"]}
+    assert rows[broken]["error"].startswith("RuntimeError: CUDA_ERROR_INVALID_VALUE")
+    assert "differs from the built-in" in rows[wrong]["error"] and rows[wrong]["ms"] is None
+    assert rows[fast]["ms"] == 2 * 1.0            # summed over causal off and on
+    assert len(lines) == len(tiles) and "failed" in lines[1]
+    # the entry is a valid stored document entry
+    doc = document([entry])
+    assert tuning.winners_from_document(doc, gpu="NVIDIA H200", arch="sm_90") == {
+        ("attention_mma", "float16", 64): fast}
+
+
+def test_tune_stores_and_reports(monkeypatch, cache_dir, capsys):
+    """The command's path after measuring (measure stubbed: no GPU here)."""
+    import cuonline.__main__ as cli
+
+    seen = {}
+
+    def fake_measure(dtypes, dims, *, quick, progress):
+        seen.update(dtypes=dtypes, dims=dims, quick=quick)
+        results = [{"tiles": [4, 64, 2], "key": "a", "ms": 2.0, "error": None},
+                   {"tiles": [8, 32, 1], "key": "b", "ms": 1.0, "error": None},
+                   {"tiles": [2, 64, 2], "key": "c", "ms": None, "error": "CompileException"}]
+        return document([dict(entry(), results=results)], gpu="Fake GPU")
+
+    monkeypatch.setattr(cli, "_gpu_or_reason", lambda: ("Fake GPU", None))
+    monkeypatch.setattr(tuning, "measure", fake_measure)
+    assert main(["tune", "--quick", "--dtypes", "float16", "--dims", "60"]) == 0
+    assert seen == {"dtypes": ("float16",), "dims": (60,), "quick": True}
+    out = capsys.readouterr().out
+    assert "stored in" in out and "(4, 64, 2): 2.000 ms  ->  (8, 32, 1): 1.000 ms  (2.00x)" in out
+    (path,) = cache_dir.iterdir()
+    table = tuning.load_winners(path, gpu="Fake GPU", arch="sm_90")
+    assert table == {("attention_mma", "float16", 64): (8, 32, 1)}
