@@ -85,8 +85,10 @@ def test_register_estimate():
     for (dtype, d, warps, block_n, stages), words in cases:
         spec = MmaSpec(dtype=dtype, d=d, dv=d, warps=warps, block_n=block_n, stages=stages)
         assert tuning.mma_register_words(spec) == words, spec.key
-    # 128-key tiles at f16 D = 128 (160 words) spilled: not a candidate
+    # what spilled in the sweep is not a candidate: f16 D = 128 with 128-key tiles (160 words),
+    # f64 D = 64 with two stages of 64 keys (128 words + a second f64 stage)
     assert (4, 128, 2) not in tuning.candidates("sm_80", "float16", 128)
+    assert (4, 64, 2) not in tuning.candidates("sm_90", "float64", 64)
 
 
 def test_candidates_respect_a_device_shared_memory_limit():
@@ -318,8 +320,9 @@ def test_tune_quick_on_the_gpu(cache_dir):
 
 
 def test_measuring_picks_the_fastest_agreeing_candidate(monkeypatch):
-    """The selection logic of tune with the device parts stubbed: a candidate that raises or
-    disagrees with the built-in tiles is recorded and skipped; the fastest of the rest wins."""
+    """The selection logic of tune with the device parts stubbed: a candidate that raises,
+    disagrees with the built-in tiles or spills is recorded and skipped; the fastest of the
+    rest wins."""
     tiles = tuning.candidates("sm_90", "float16", 64, quick=True)
     builtin, broken, wrong, fast = tiles[0], tiles[1], tiles[2], tiles[3]
     ms = {t: 2.0 for t in tiles}
@@ -336,6 +339,10 @@ def test_measuring_picks_the_fastest_agreeing_candidate(monkeypatch):
                 raise RuntimeError("CUDA_ERROR_INVALID_VALUE: too many resources requested\n..")
             return np.full((2, 3), 0.5 if t == wrong else 0.25, dtype=np.float16)
 
+    spills = tiles[4]
+    monkeypatch.setattr(tuning, "_kernel_usage",
+                        lambda *args: (255, 16) if current["tiles"] == spills else (128, 0))
+    ms[spills] = 0.1
     monkeypatch.setattr(tuning, "_inputs", lambda *args: (None, None, None))
     monkeypatch.setattr(tuning, "_time_ms", lambda fn, repeats: (fn(), ms[current["tiles"]])[1])
     lines = []
@@ -346,7 +353,8 @@ def test_measuring_picks_the_fastest_agreeing_candidate(monkeypatch):
     rows = {tuple(r["tiles"]): r for r in entry["results"]}
     assert rows[broken]["error"].startswith("RuntimeError: CUDA_ERROR_INVALID_VALUE")
     assert "differs from the built-in" in rows[wrong]["error"] and rows[wrong]["ms"] is None
-    assert rows[fast]["ms"] == 2 * 1.0            # summed over causal off and on
+    assert "local memory" in rows[spills]["error"] and rows[spills]["registers"] == 255
+    assert rows[fast]["ms"] == 2 * 1.0 and rows[fast]["registers"] == 128  # causal off + on
     assert len(lines) == len(tiles) and "failed" in lines[1]
     # the entry is a valid stored document entry
     doc = document([entry])

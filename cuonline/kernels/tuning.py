@@ -9,7 +9,7 @@ Four parts, the first, third and fourth of them pure or file-only (CPU-testable)
    with each candidate forced (its ``tuned`` seam), times it with CUDA events (warm-up, median
    of a few runs) on N = 4096 keys and queries, 16 batch x heads, causal off and on, checks its
    output against the built-in tiles' output, and keeps the fastest. A candidate that fails to
-   compile, launch or agree is recorded and skipped.
+   compile, launch or agree, or that spills, is recorded and skipped.
 3. Storage: one JSON document per (GPU name, compute capability, cuonline version) in
    ``$CUONLINE_CACHE_DIR/tuning/`` (default ``~/.cache/cuonline/tuning/``, or under
    ``$XDG_CACHE_HOME``), written atomically (temporary file + ``os.replace``).
@@ -144,12 +144,14 @@ def _fits(arch, family, dtype, d, tiles, smem_limit) -> bool:
     except ValueError:
         return False
     if family == "attention_mma":
-        # Registers: see MMA_REGISTER_WORDS. f64 with two stages at the full budget spilled on
-        # sm_90 (the built-in D = 128 table entry says why), so two stages need headroom there.
+        # Registers: see MMA_REGISTER_WORDS. A second f64 stage needs 32 words of headroom:
+        # sm_90's ptxas spilled f64 at two stages with 128 words (D = 64, 64-key tiles) and 144
+        # (D = 128, 16-key tiles; the built-in table entry says why).
         # Shared memory: this arch's opt-in limit (or the device's, if lower).
         need = mma_register_words(spec)
-        if need > MMA_REGISTER_WORDS or (name == "float64" and spec.stages == 2
-                                         and need >= MMA_REGISTER_WORDS):
+        if name == "float64" and spec.stages == 2:
+            need += 32
+        if need > MMA_REGISTER_WORDS:
             return False
         return spec.shared_bytes <= smem_limit
     warps, rows, keys = tiles
@@ -436,6 +438,15 @@ def _inputs(dtype, d, n, nbatch, seed=0):
                  for _ in range(3))
 
 
+def _kernel_usage(cuda, problem, family, arch, num_sms, tuned):
+    """``(registers, local memory bytes)`` per thread of the forward kernel that the engine
+    compiled for ``problem`` with ``tuned`` (CuPy reads them from the loaded module)."""
+    plan = heuristics.plan_attention(problem, num_sms=num_sms, arch=arch, family=family,
+                                     cp_async=cuda.cp_async_aligned(problem), tuned=tuned)
+    kernel = cuda._module(plan.spec, "cupy", None, None).get_function(plan.spec.entry)
+    return int(kernel.num_regs), int(kernel.local_size_bytes)
+
+
 def measure(dtypes=("float16", "bfloat16", "float32", "float64"), dims=(64, 128), *,
             quick=False, progress=None) -> dict:
     """Time every candidate on the current CuPy device; return the document :func:`store`
@@ -447,8 +458,10 @@ def measure(dtypes=("float16", "bfloat16", "float32", "float64"), dims=(64, 128)
     shape ``(16, N, D)`` with N = 4096 (``quick``: 2048, non-causal only, the built-in's
     neighbours only), causal off and on; its time is the median of a few runs between CUDA
     events, summed over the causal cases. A candidate whose output differs from the built-in
-    tiles' by more than :data:`AGREEMENT`, or that fails to compile or launch, is recorded with
-    its error and skipped. ``progress`` (a callable taking a line) reports each measurement.
+    tiles' by more than :data:`AGREEMENT`, whose kernel uses local memory (spills: CuPy reports
+    the compiled kernel's registers and local bytes), or that fails to compile or launch, is
+    recorded with its error and skipped. ``progress`` (a callable taking a line) reports each
+    measurement.
     """
     import cupy  # noqa: PLC0415
 
@@ -460,7 +473,7 @@ def measure(dtypes=("float16", "bfloat16", "float32", "float64"), dims=(64, 128)
     gpu, arch = device_identity()
     device = cupy.cuda.Device()
     num_sms = int(device.attributes["MultiProcessorCount"])
-    smem_limit = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
+    smem_limit = int(device.attributes.get("MaxSharedMemoryPerBlockOptin", 0)) or None
     entries = []
     for dtype in dtypes:
         for bucket in sorted({heuristics.d_bucket(d) for d in dims}):
@@ -494,7 +507,7 @@ def _measure_one(cuda, validate_attention, family, precision, dtype, bucket, arc
         key = (family, dtype, bucket)
         table = {key: tiles}
         row = {"tiles": list(tiles), "key": spec_of(family, dtype, bucket, tiles).key,
-               "ms": None, "error": None}
+               "ms": None, "registers": None, "error": None}
         try:
             run = [lambda p=p: cuda.attention(p, family=family, arch=arch, num_sms=num_sms,
                                               tuned=table)[0] for p in problems]
@@ -505,6 +518,12 @@ def _measure_one(cuda, validate_attention, family, precision, dtype, bucket, arc
             if not diff <= tolerance:
                 raise ValueError(f"output differs from the built-in tiles' by {diff:.3g} "
                                  f"(allowed {tolerance:g})")
+            usage = [_kernel_usage(cuda, p, family, arch, num_sms, table) for p in problems]
+            row["registers"] = max(regs for regs, _ in usage)
+            local = max(nbytes for _, nbytes in usage)
+            if local:
+                # spills (or a stack frame) go to local memory: not a configuration to keep
+                raise ValueError(f"uses {local} bytes of local memory per thread (spills)")
             row["ms"] = round(sum(_time_ms(fn, shape["repeats"]) for fn in run), 4)
         except Exception as exc:  # noqa: BLE001 - compile, launch or agreement: record, skip
             row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
