@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check for a lent GPU (H200, CUDA 13 driver, cupy-cuda13x, torch; no network).
-# Runs the GPU tests, then benchmarks/gpu_bench.py, in under 8 minutes; writes the test log,
-# gpu_bench.json and gpu_bench.md into $OUT if set, else ./bench-out.
+# Runs the GPU tests, then benchmarks/gpu_bench.py, in under 8 minutes; writes gpu.txt, the
+# test log gpu_tests.txt, gpu_bench.json and gpu_bench.md into $OUT if set, else ./bench-out.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, no install needed
 #   GPU_BENCH_ARGS=--quick bash benchmarks/gpu_check.sh
@@ -15,18 +15,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 python -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" \
   2>&1 | tee -a "$out/gpu.txt"
 
-# 1. the GPU tests (the emulated matrices on real CuPy arrays), at most 4 minutes in all, as
-#    file:seconds. The first files settle the most (fragment layouts, the SIMT engine); each
-#    file has its own log, so a timeout still leaves the earlier results. (The device tool
-#    returns 8 files from $OUT: gpu.txt, these 5 logs and the 2 reports.)
+# 1. the GPU tests (the emulated matrices on real CuPy arrays, and `tune --quick`), at most 5
+#    minutes in all, as file:seconds. The first files settle the most (fragment layouts, the
+#    SIMT engine); the log is appended file by file, so a timeout still leaves the earlier
+#    results. (The device tool returns at most 8 files from $OUT; this script leaves 4.)
+: > "$out/gpu_tests.txt"
 for entry in test_tensor_core:30 test_semantics:30 test_cuda_engine:60 test_mma_engine:80 \
-             test_softmax_kernels:40; do
+             test_softmax_kernels:40 test_tuning:60; do
   t=${entry%%:*}
-  timeout "${entry##*:}" python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE "tests/$t.py" \
-    > "$out/gpu_$t.txt" 2>&1
-  echo "$t: exit $? ($(tail -n 1 "$out/gpu_$t.txt"))"
+  echo "== tests/$t.py" >> "$out/gpu_tests.txt"
+  timeout "${entry##*:}" python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE \
+    "tests/$t.py" > "$out/current.txt" 2>&1
+  status=$?
+  cat "$out/current.txt" >> "$out/gpu_tests.txt"
+  echo "$t: exit $status ($(tail -n 1 "$out/current.txt"))"
 done
+rm -f "$out/current.txt"
 
-# 2. the benchmark, at most 3.5 minutes; gpu_bench.md/json are rewritten after every case
-timeout 210 python benchmarks/gpu_bench.py --out "$out" ${GPU_BENCH_ARGS:-} 2>&1 | tail -n 60
+# 2. the benchmark, at most 3 minutes; gpu_bench.md/json are rewritten after every case
+timeout 170 python benchmarks/gpu_bench.py --out "$out" ${GPU_BENCH_ARGS:-} 2>&1 | tail -n 60
 cat "$out/gpu_bench.md"
