@@ -67,10 +67,14 @@ def gpu_available() -> str | None:
 
 def engine_params():
     """pytest params for every engine: numpy always, emulate and cupy where they can run."""
+    return [pytest.param("numpy", id="numpy")] + cuda_backend_params()
+
+
+def cuda_backend_params():
+    """pytest params for the CUDA engine's two module kinds: emulate (CPU) and cupy (GPU)."""
     emulate_reason = emulation_available()
     gpu_reason = gpu_available()
     return [
-        pytest.param("numpy", id="numpy"),
         pytest.param("emulate", id="emulate", marks=pytest.mark.skipif(
             emulate_reason is not None, reason=emulate_reason or "")),
         pytest.param("cupy", id="cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(

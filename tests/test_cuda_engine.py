@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
+                      tolerance)
 from mutants import MUTANTS, mutant_sources
 from oracle import reference_attention
 
@@ -32,14 +33,7 @@ OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alib
 
 _emulate_reason = emulation_available()
 _gpu_reason = gpu_available()
-BACKENDS = [
-    pytest.param("emulate", id="emulate",
-                 marks=pytest.mark.skipif(_emulate_reason is not None,
-                                          reason=_emulate_reason or "")),
-    pytest.param("cupy", id="cupy",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")]),
-]
+BACKENDS = cuda_backend_params()
 
 
 # --------------------------------------------------------------------------------------------

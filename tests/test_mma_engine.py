@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
+                      tolerance)
 from mutants import mutant_sources
 from oracle import reference_attention
 from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors
@@ -29,14 +30,7 @@ from cuonline.kernels.specs import MMA_INSTRUCTIONS, MmaSpec
 
 _emulate_reason = emulation_available()
 _gpu_reason = gpu_available()
-BACKENDS = [
-    pytest.param("emulate", id="emulate",
-                 marks=pytest.mark.skipif(_emulate_reason is not None,
-                                          reason=_emulate_reason or "")),
-    pytest.param("cupy", id="cupy",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")]),
-]
+BACKENDS = cuda_backend_params()
 needs_emulation = pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
 
 # dtype ids -> (dtype, precision)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.special
-from conftest import BFLOAT16, emulation_available, gpu_available, tolerance
+from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
+                      tolerance)
 
 import cuonline
 from cuonline.engines import cuda_softmax
@@ -31,14 +32,7 @@ FUNCTIONS = {"softmax": cuonline.softmax, "log_softmax": cuonline.log_softmax,
 
 _emulate_reason = emulation_available()
 _gpu_reason = gpu_available()
-BACKENDS = [
-    pytest.param("emulate", id="emulate",
-                 marks=pytest.mark.skipif(_emulate_reason is not None,
-                                          reason=_emulate_reason or "")),
-    pytest.param("cupy", id="cupy",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")]),
-]
+BACKENDS = cuda_backend_params()
 
 
 # --------------------------------------------------------------------------------------------
