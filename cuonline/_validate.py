@@ -142,7 +142,9 @@ def _broadcast_to(xp, x, shape, name, expected):
 
 def _check_backend(backend, xp) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+        raise ValueError(
+            f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}"
+        )
     lib = "cupy" if xp is not np else "numpy"
     if backend == "auto":
         return lib

@@ -70,7 +70,8 @@ def test_unpacked_wheel_runs_the_emulated_kernels_from_its_package_data(wheel, t
         "import numpy as np, cuonline, pathlib; "
         f"assert pathlib.Path(cuonline.__file__).is_relative_to({str(site)!r}); "
         "x = np.random.default_rng(0).standard_normal((2, 33, 8)).astype(np.float32); "
-        "err = np.abs(cuonline.attention(x, x, x, backend='emulate') - cuonline.attention(x, x, x)); "
+        "err = np.abs(cuonline.attention(x, x, x, backend='emulate')"
+        " - cuonline.attention(x, x, x)); "
         "assert err.max() < 1e-5, err.max()"
     )
     run("-c", code, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
