@@ -307,36 +307,16 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile: heaviest causal query tiles (the last ones) are scheduled first
-    const long long n_qtiles = (lq + kBlockM - 1) / kBlockM;
-    const long long nbatch = gridDim.x / n_qtiles;
-    const long long b = blockIdx.x / n_qtiles;
-    const long long qtile = n_qtiles - 1 - (blockIdx.x - b * n_qtiles);
-    const long long i0 = qtile * kBlockM;
-    const long long i_end = i0 + kBlockM < lq ? i0 + kBlockM : lq;
-    const long long diag = (long long)lk - lq;  // key aligned with query 0 (bottom-right)
+    // ---- which queries, and which keys may be visible to them (attention_block.cuh)
+    const BlockRange range =
+        block_range<kBlockM>(lq, lk, kv_lengths, window_left, window_right, split_keys);
+    const long long b = range.b, i0 = range.i0, i_end = range.i_end, diag = range.diag;
+    const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
 
     const long long* off = offsets + b * kNumOperands;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
-
-    // ---- visible key range of this block: [j_lo, j_hi); tiles outside it are never touched
-    long long key_end = lk;
-#if CUONLINE_HAS_KV_LENGTHS
-    key_end = kv_lengths[b];  // clipped to [0, lk] on the host
-#endif
-    long long j_lo = 0;
-    long long j_hi = key_end;
-#if CUONLINE_HAS_WINDOW
-    if (i0 + diag - window_left > j_lo) j_lo = i0 + diag - window_left;
-    if (i_end + diag + window_right < j_hi) j_hi = i_end + diag + window_right;
-#endif
-#if CUONLINE_SPLIT
-    const long long split = blockIdx.z;
-    if (split * split_keys > j_lo) j_lo = split * split_keys;
-    if ((split + 1) * split_keys < j_hi) j_hi = (split + 1) * split_keys;
-#endif
 
     // ---- per-row constants, in log2 units
     const Acc log2e_ = log2e(Acc());
@@ -537,11 +517,7 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 2);
         const Acc row_lse = state[h].finalize(l_total);
         if (i >= lq) continue;
-#if CUONLINE_SPLIT
-        const long long row = (split * nbatch + b) * lq + i;
-#else
-        const long long row = b * lq + i;
-#endif
+        const long long row = output_row<kBlockM>(b, i, lq);
 #pragma unroll
         for (int nv = 0; nv < kNv; ++nv)
 #pragma unroll

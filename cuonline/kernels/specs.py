@@ -73,7 +73,7 @@ class KernelSpec:
     entry = "cuonline_attention_fwd"
     combine_entry = "cuonline_attention_combine"
     #: Files pasted before the family's .cu, in order (see cuonline.kernels.source).
-    headers = ("common.cuh", "attention_combine.cuh")
+    headers = ("common.cuh", "attention_block.cuh", "attention_combine.cuh")
 
     def __post_init__(self):
         if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
@@ -277,7 +277,8 @@ class MmaSpec:
     family = "attention_mma"
     entry = "cuonline_attention_mma"
     combine_entry = "cuonline_attention_combine"
-    headers = ("common.cuh", "tensor_core.cuh", "attention_combine.cuh")
+    headers = ("common.cuh", "tensor_core.cuh", "attention_block.cuh",
+               "attention_combine.cuh")
 
     def __post_init__(self):
         if self.dtype not in MMA_MAX_HEAD_DIM:

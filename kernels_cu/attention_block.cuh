@@ -1,0 +1,66 @@
+// attention_block.cuh: which queries and keys one thread block of an attention family covers.
+//
+// Pasted (by cuonline/kernels/source.py) after common.cuh into both attention families
+// (attention_fwd.cu, attention_mma.cu), so that they share one reading of the grid and one
+// definition of the visible key range. It reads the variant defines CUONLINE_HAS_KV_LENGTHS,
+// CUONLINE_HAS_WINDOW and CUONLINE_SPLIT.
+
+namespace cuonline {
+
+struct BlockRange {
+    long long b;        // flattened batch element
+    long long i0;       // queries [i0, i_end) of this block
+    long long i_end;
+    long long diag;     // key aligned with query 0: Lk - Lq (bottom-right causal alignment)
+    long long key_end;  // keys at or past this (kv_lengths or Lk) are never read
+    long long j_lo;     // keys [j_lo, j_hi) may be visible to some query of the block;
+    long long j_hi;     // tiles outside it are never touched
+};
+
+// grid.x = nbatch * n_query_tiles, grid.z = key splits. The heaviest causal query tiles (the
+// last ones) are scheduled first.
+template <int kBlockM>
+__device__ __forceinline__ BlockRange block_range(int lq, int lk,
+                                                  const long long* __restrict__ kv_lengths,
+                                                  long long window_left,
+                                                  long long window_right,
+                                                  long long split_keys) {
+    BlockRange r;
+    const long long n_qtiles = (lq + kBlockM - 1) / kBlockM;
+    r.b = blockIdx.x / n_qtiles;
+    const long long qtile = n_qtiles - 1 - (blockIdx.x - r.b * n_qtiles);
+    r.i0 = qtile * kBlockM;
+    r.i_end = r.i0 + kBlockM < lq ? r.i0 + kBlockM : lq;
+    r.diag = (long long)lk - lq;
+
+    r.key_end = lk;
+#if CUONLINE_HAS_KV_LENGTHS
+    r.key_end = kv_lengths[r.b];  // clipped to [0, lk] on the host
+#endif
+    r.j_lo = 0;
+    r.j_hi = r.key_end;
+#if CUONLINE_HAS_WINDOW
+    if (r.i0 + r.diag - window_left > r.j_lo) r.j_lo = r.i0 + r.diag - window_left;
+    if (r.i_end + r.diag + window_right < r.j_hi) r.j_hi = r.i_end + r.diag + window_right;
+#endif
+#if CUONLINE_SPLIT
+    const long long split = blockIdx.z;
+    if (split * split_keys > r.j_lo) r.j_lo = split * split_keys;
+    if ((split + 1) * split_keys < r.j_hi) r.j_hi = (split + 1) * split_keys;
+#endif
+    return r;
+}
+
+// Row of (batch element b, query i) in out and lse, contiguous ([nsplit,] nbatch, lq). Derived
+// from the grid where it is written, so that no register carries it through the key loop.
+template <int kBlockM>
+__device__ __forceinline__ long long output_row(long long b, long long i, int lq) {
+#if CUONLINE_SPLIT
+    const long long nbatch = gridDim.x / ((lq + kBlockM - 1) / kBlockM);
+    return ((long long)blockIdx.z * nbatch + b) * lq + i;
+#else
+    return b * lq + i;
+#endif
+}
+
+}  // namespace cuonline
