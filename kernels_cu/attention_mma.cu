@@ -75,7 +75,7 @@ template <class T16> struct Ops16 {
     template <class L>
     __device__ __forceinline__ static void load_a(AFrag& a, const T16* s, int r0, int k0) {
         const int lane = lane_();
-        ldmatrix_x4(a, s + L::offset(r0 + lane % 16, k0 + (lane / 16) * 8));
+        ldmatrix_x4(a, s + split_offset<L>(r0, k0, lane % 16, (lane / 16) * 8));
     }
     // ldmatrix x4 of an (n, k) tile: rows n0 + 8 (lane / 16) + lane % 8, columns
     // k0 + 8 ((lane / 8) % 2); registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
@@ -84,7 +84,7 @@ template <class T16> struct Ops16 {
                                                    int k0) {
         const int lane = lane_();
         unsigned r[4];
-        ldmatrix_x4(r, s + L::offset(n0 + (lane / 16) * 8 + lane % 8, k0 + ((lane / 8) % 2) * 8));
+        ldmatrix_x4(r, s + split_offset<L>(n0, k0, (lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8));
         b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
     }
     // ldmatrix x4 .trans of a (k, n) tile: lane supplies key row 16 kk + lane % 16 at column
@@ -94,7 +94,7 @@ template <class T16> struct Ops16 {
                                                      int n0) {
         const int lane = lane_();
         unsigned r[4];
-        ldmatrix_x4_trans(r, s + L::offset(16 * kk + lane % 16, n0 + (lane / 16) * 8));
+        ldmatrix_x4_trans(r, s + split_offset<L>(16 * kk, n0, lane % 16, (lane / 16) * 8));
         b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
     }
     // Two n-tiles of the score accumulators are one A fragment (acc_to_a_frag).
@@ -121,20 +121,20 @@ template <> struct Ops<float> {
     template <class L>
     __device__ __forceinline__ static void load_a(AFrag& a, const float* s, int r0, int k0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        a[0] = to_tf32(s[L::offset(r0 + g, k0 + t)]);
-        a[1] = to_tf32(s[L::offset(r0 + g + 8, k0 + t)]);
-        a[2] = to_tf32(s[L::offset(r0 + g, k0 + t + 4)]);
-        a[3] = to_tf32(s[L::offset(r0 + g + 8, k0 + t + 4)]);
+        a[0] = to_tf32(s[split_offset<L>(r0, k0, g, t)]);
+        a[1] = to_tf32(s[split_offset<L>(r0, k0, g + 8, t)]);
+        a[2] = to_tf32(s[split_offset<L>(r0, k0, g, t + 4)]);
+        a[3] = to_tf32(s[split_offset<L>(r0, k0, g + 8, t + 4)]);
     }
     // b[0] = B[t][g] = s[n0 + g][k0 + t], b[1] = B[t+4][g]
     template <class L>
     __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const float* s, int n0,
                                                    int k0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = to_tf32(s[L::offset(n0 + g, k0 + t)]);
-        b0[1] = to_tf32(s[L::offset(n0 + g, k0 + t + 4)]);
-        b1[0] = to_tf32(s[L::offset(n0 + 8 + g, k0 + t)]);
-        b1[1] = to_tf32(s[L::offset(n0 + 8 + g, k0 + t + 4)]);
+        b0[0] = to_tf32(s[split_offset<L>(n0, k0, g, t)]);
+        b0[1] = to_tf32(s[split_offset<L>(n0, k0, g, t + 4)]);
+        b1[0] = to_tf32(s[split_offset<L>(n0, k0, 8 + g, t)]);
+        b1[1] = to_tf32(s[split_offset<L>(n0, k0, 8 + g, t + 4)]);
     }
     // k-step kk covers keys 8 kk .. 8 kk + 7 in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t)
     // holds P[g][2t], P[g][2t+1] = A[g][t], A[g][t+4], so B[t][n] = V[2t][n], B[t+4][n] = V[2t+1][n].
@@ -142,10 +142,10 @@ template <> struct Ops<float> {
     __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const float* s, int kk,
                                                      int n0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + g)]);
-        b0[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + g)]);
-        b1[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + 8 + g)]);
-        b1[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + 8 + g)]);
+        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);
+        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t + 1, g)]);
+        b1[0] = to_tf32(s[split_offset<L>(8 * kk, n0 + 8, 2 * t, g)]);
+        b1[1] = to_tf32(s[split_offset<L>(8 * kk, n0 + 8, 2 * t + 1, g)]);
     }
     template <int kNt>
     __device__ __forceinline__ static void p_to_a(AFrag& a, const float (&p)[kNt][4], int kk) {
@@ -169,15 +169,15 @@ template <> struct Ops<double> {
     template <class L>
     __device__ __forceinline__ static void load_a(AFrag& a, const double* s, int r0, int k0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        a[0] = s[L::offset(r0 + g, k0 + t)];
-        a[1] = s[L::offset(r0 + g + 8, k0 + t)];
+        a[0] = s[split_offset<L>(r0, k0, g, t)];
+        a[1] = s[split_offset<L>(r0, k0, g + 8, t)];
     }
     template <class L>
     __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const double* s, int n0,
                                                    int k0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = s[L::offset(n0 + g, k0 + t)];
-        b1[0] = s[L::offset(n0 + 8 + g, k0 + t)];
+        b0[0] = s[split_offset<L>(n0, k0, g, t)];
+        b1[0] = s[split_offset<L>(n0, k0, 8 + g, t)];
     }
     // k-step kk covers keys 8 (kk / 2) + 2t + (kk % 2), t = 0..3: the column of the score
     // accumulator the lane already holds (p[kk / 2][kk % 2] and p[kk / 2][2 + kk % 2]).
@@ -185,8 +185,8 @@ template <> struct Ops<double> {
     __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const double* s, int kk,
                                                      int n0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + g)];
-        b1[0] = s[L::offset(8 * (kk / 2) + 2 * t + kk % 2, n0 + 8 + g)];
+        b0[0] = s[split_offset<L>(8 * (kk / 2), n0, 2 * t + kk % 2, g)];
+        b1[0] = s[split_offset<L>(8 * (kk / 2), n0 + 8, 2 * t + kk % 2, g)];
     }
     template <int kNt>
     __device__ __forceinline__ static void p_to_a(AFrag& a, const double (&p)[kNt][4], int kk) {
@@ -249,27 +249,51 @@ typedef T OutT;
 // layout L whose padded width is L's; rows at or past row_end and columns past kCols are zero
 // and never read from global memory. cp.async moves whole 16-byte chunks (host-checked
 // alignment); the fallback reads elements through both strides.
+// When the block's threads cover whole rows of chunks (kThreads % kRowChunks == 0, every shipped
+// tile), each thread keeps one chunk column and steps down the rows, so the column, the byte
+// count and most of both addresses are computed once per call, not per chunk.
 template <class L, int kRows, int kCols, int kPadCols>
 __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_stride,
                                           long long col_stride, long long r0, long long row_end) {
     constexpr int kRowChunks = kPadCols / kChunk;
-    for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
-        const int r = idx / kRowChunks;
-        const int col = (idx - r * kRowChunks) * kChunk;
-        const long long row = r0 + r;
-        const bool row_ok = row < row_end;
+    // rows of the tile that exist in the operand, in [0, kRows]
+    const long long left = row_end - r0;
+    const int rows = left <= 0 ? 0 : (left >= kRows ? kRows : int(left));
+    // Chunk (r, col): cp.async (whole 16-byte chunks) or element-wise loads into the same place.
+    auto copy_chunk = [&](int r, int col, const T* src) {
         T* dst = s + L::offset(r, col);
 #if CUONLINE_CP_ASYNC
-        int bytes = row_ok ? (kCols - col) * int(sizeof(T)) : 0;
-        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-        cp_async_16(dst, bytes > 0 ? base + row * row_stride + col : base, bytes);
-#else
         (void)col_stride;
+        int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
+        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+        cp_async_16(dst, bytes > 0 ? src : base, bytes);
+#else
 #pragma unroll
         for (int e = 0; e < kChunk; ++e)
-            dst[e] = row_ok && col + e < kCols ? base[row * row_stride + (col + e) * col_stride]
-                                               : FromAcc<T>::cvt(0.0f);
+            dst[e] = r < rows && col + e < kCols ? src[e * col_stride] : FromAcc<T>::cvt(0.0f);
 #endif
+    };
+    if constexpr (kThreads % kRowChunks == 0) {
+        // The threads cover whole rows of chunks (every shipped tile): each thread keeps one
+        // chunk column and steps down the rows, so the column, the byte count and the address
+        // strides are worked out once per call, not per chunk.
+        constexpr int kRowStep = kThreads / kRowChunks;
+        const int col = int(threadIdx.x) % kRowChunks * kChunk;
+        const int r_first = int(threadIdx.x) / kRowChunks;
+        const T* src = base + (r0 + r_first) * row_stride + col * col_stride;
+        const long long src_step = kRowStep * row_stride;
+#pragma unroll 2  // full unrolls cost registers (spills in 32-row single-warp tiles)
+        for (int k = 0; k < (kRows + kRowStep - 1) / kRowStep; ++k) {
+            const int r = r_first + k * kRowStep;
+            if (kRows % kRowStep == 0 || r < kRows) copy_chunk(r, col, src);
+            src += src_step;
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
+            const int r = idx / kRowChunks;
+            const int col = (idx - r * kRowChunks) * kChunk;
+            copy_chunk(r, col, base + (r0 + r) * row_stride + col * col_stride);
+        }
     }
 }
 
@@ -416,6 +440,25 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
             interior = interior && j0 >= i_end - 1 + diag - window_left &&
                        j0 + kBlockN - 1 <= i0 + diag + window_right;
 #endif
+            // Mask and bias rows of this tile at the lane's first key (j0 + 2t): an element is
+            // then one multiple of the column stride away (pointers are only dereferenced for
+            // visible elements, which lie inside the operand).
+#if CUONLINE_HAS_MASK
+            const long long mask_cs = strides[2 * kMask + 1];
+            const unsigned char* mask_row[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                mask_row[h] = mask + off[kMask] + (row0 + 8 * h) * strides[2 * kMask] +
+                              (j0 + 2 * t) * mask_cs;
+#endif
+#if CUONLINE_HAS_BIAS
+            const long long bias_cs = strides[2 * kBias + 1];
+            const Acc* bias_row[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                bias_row[h] = bias + off[kBias] + (row0 + 8 * h) * strides[2 * kBias] +
+                              (j0 + 2 * t) * bias_cs;
+#endif
             Acc tile_max[2] = {neg_inf(Acc()), neg_inf(Acc())};
 #pragma unroll
             for (int nt = 0; nt < kNt; ++nt) {
@@ -433,11 +476,7 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
 #endif
                     }
 #if CUONLINE_HAS_MASK
-                    if (visible) {
-                        const long long mo = off[kMask] + i * strides[2 * kMask] +
-                                             j * strides[2 * kMask + 1];
-                        visible = mask[mo] != 0;
-                    }
+                    if (visible) visible = mask_row[h][(8 * nt + (e & 1)) * mask_cs] != 0;
 #endif
                     Acc x;
 #if CUONLINE_HAS_SOFTCAP
@@ -446,11 +485,7 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
                     x = sc[nt][e] * scale_log2;
 #endif
 #if CUONLINE_HAS_BIAS
-                    if (visible) {
-                        const long long bo = off[kBias] + i * strides[2 * kBias] +
-                                             j * strides[2 * kBias + 1];
-                        x += bias[bo] * log2e_;
-                    }
+                    if (visible) x += bias_row[h][(8 * nt + (e & 1)) * bias_cs] * log2e_;
 #endif
 #if CUONLINE_HAS_ALIBI
                     {
@@ -474,7 +509,7 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
                 for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const Acc p = exp2_(sc[nt][2 * h + c] - m_use);
+                        const Acc p = exp2_weight(sc[nt][2 * h + c] - m_use);
                         sc[nt][2 * h + c] = p;
                         state[h].l += p;
                     }

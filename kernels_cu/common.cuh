@@ -30,6 +30,22 @@ __device__ __forceinline__ double neg_inf(double) { return (double)__int_as_floa
 
 __device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2_(double x) { return exp2(x); }
+// Attention weights of the tensor-core kernel's inner loop: for float the hardware
+// ex2.approx.ftz, the approximation exp2f itself rests on (about 2 ulp), without exp2f's
+// handling of subnormal results (a compare and two multiplies per weight). A weight below
+// 2^-126 becomes 0: next to the row's largest weight (exp2(0) = 1) it moves no float32 sum.
+// Everything else keeps exp2_: softmax outputs return tiny results to the user, and in the
+// SIMT kernel the change cost more registers (spills) than it saved. The emulation runs exp2f.
+__device__ __forceinline__ float exp2_weight(float x) {
+#ifdef __CUDA_ARCH__
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+__device__ __forceinline__ double exp2_weight(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_(double x) { return log2(x); }
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }

@@ -405,6 +405,17 @@ __device__ __forceinline__ CopyQueue& copy_queue() {
     return q;
 }
 
+// Store 16 bytes as two 8-byte words. A plain memset/memcpy would do, but GCC's
+// ThreadSanitizer does not instrument an inlined 16-byte memset: the poison store of a racing
+// copy would go unreported.
+typedef unsigned long long __attribute__((may_alias)) Word;
+__device__ __forceinline__ void store16(void* dst, const unsigned char (&src)[16]) {
+    Word w[2];
+    std::memcpy(w, src, 16);
+    static_cast<Word*>(dst)[0] = w[0];
+    static_cast<Word*>(dst)[1] = w[1];
+}
+
 // Land every copy of a group older than `newest_pending` of the committed ones.
 __device__ __forceinline__ void retire(CopyQueue& q, long long newest_pending) {
     const long long limit = q.committed - newest_pending;  // groups [0, limit) complete
@@ -412,7 +423,7 @@ __device__ __forceinline__ void retire(CopyQueue& q, long long newest_pending) {
     for (size_t i = 0; i < q.pending.size(); ++i) {
         PendingCopy& c = q.pending[i];
         if (c.group < limit)
-            std::memcpy(c.dst, c.data, 16);
+            store16(c.dst, c.data);
         else
             q.pending[keep++] = c;
     }
@@ -439,7 +450,9 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
     c.group = q.committed;
     std::memset(c.data, 0, 16);
     if (src_bytes > 0) std::memcpy(c.data, gmem_src, size_t(src_bytes));
-    std::memset(smem_dst, 0xFF, 16);
+    static constexpr unsigned char kPoison16[16] = {
+        0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF};
+    emu::store16(smem_dst, kPoison16);
     q.pending.push_back(c);
 #endif
 }
@@ -499,6 +512,8 @@ struct Swizzle {
     static constexpr int kRowsPerLine = kRowChunks >= 8 ? 1 : 8 / kRowChunks;
     static constexpr int kMask = (kRowChunks >= 8 ? 8 : kRowChunks) - 1;
     static constexpr int kStride = kCols;  // elements per stored row (no padding)
+    // Columns one XOR pattern spans: offsets are additive in whole spans (see split_offset).
+    static constexpr int kSpan = kChunkElems * (kMask + 1);
 
     // Physical chunk of logical chunk `chunk` in row `row`.
     __device__ __forceinline__ static int chunk(int row, int chunk) {
@@ -518,6 +533,7 @@ struct PaddedRows {
     static constexpr int kRowChunks = kCols / kChunkElems;
     static_assert(kCols % kChunkElems == 0, "a row must be whole 16-byte chunks");
     static constexpr int kStride = (kRowChunks | 1) * kChunkElems;  // elements per stored row
+    static constexpr int kSpan = 1;  // offsets are additive in any column
 
     __device__ __forceinline__ static int offset(int row, int col) { return row * kStride + col; }
 };
@@ -534,6 +550,17 @@ template <int kCols, int kElemBytes>
 using SmemTile = typename detail::Select<detail::is_pow2(kCols * kElemBytes / 16),
                                          Swizzle<kCols, kElemBytes>,
                                          PaddedRows<kCols, kElemBytes>>::type;
+
+// L::offset(r0 + r, c0 + c), split into a block-uniform part and a part that depends on the
+// lane (r, c) and on c0 % L::kSpan only. Fragment loads pass compile-time or uniform (r0, c0)
+// and lane-dependent (r, c): the lane part then takes at most kSpan / step distinct values per
+// lane, which the compiler keeps in registers across key tiles instead of redoing the XOR for
+// every ldmatrix. Exact when r0 % 8 == 0 (the swizzle repeats every 8 rows) and
+// c0 % L::kSpan + c < L::kSpan (the XOR stays inside the span).
+template <class L>
+__device__ __forceinline__ int split_offset(int r0, int c0, int r, int c) {
+    return r0 * L::kStride + (c0 / L::kSpan) * L::kSpan + L::offset(r, c0 % L::kSpan + c);
+}
 
 }  // namespace tc
 }  // namespace cuonline

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import `oracle` as a plain module
+
+ROOT = Path(__file__).resolve().parents[1]
 
 try:
     import ml_dtypes
@@ -109,6 +114,40 @@ class Engine:
         if options.get("return_lse"):
             return self.get(result[0]), self.get(result[1])
         return self.get(result)
+
+
+def check_races(code: str, *, expect_race: bool) -> None:
+    """Run Python ``code`` under ThreadSanitizer (see :func:`run_under_tsan`); the code must
+    print ``DONE`` at its end, and TSan must report a data race exactly when ``expect_race``."""
+    proc, raced = run_under_tsan(code)
+    assert "DONE" in proc.stdout, proc.stderr[-3000:]
+    assert raced == expect_race, proc.stderr[-3000:]
+    if not expect_race:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def run_under_tsan(code: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run Python ``code`` in a subprocess with ThreadSanitizer loaded.
+
+    The code sees the repository root and ``tests/`` on ``sys.path`` and may compile emulated
+    modules with ``emulate_options=dict(tsan=True)``. Skips the calling test where the emulation
+    or libtsan is missing. Returns the finished process and whether TSan reported a data race.
+    """
+    reason = emulation_available()
+    if reason is not None:
+        pytest.skip(reason)
+    from cuonline.testing import emulate
+
+    try:
+        env = emulate.tsan_environment()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    prelude = (f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+               "from cuonline.testing import emulate\nassert emulate.running_under_tsan()\n")
+    proc = subprocess.run([emulate.tsan_python(), "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=str(ROOT))
+    raced = "WARNING: ThreadSanitizer: data race" in proc.stderr
+    return proc, raced
 
 
 @pytest.fixture(params=engine_params())

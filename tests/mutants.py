@@ -37,17 +37,25 @@ MUTANTS = {
     # takes n-tile 0's first register and n-tile 1's second): a wrong fragment layout.
     "mma_k_frag_swapped": (
         "attention_mma.cu",
-        "k0 + ((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
-        "k0 + ((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
+        "((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
+        "((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
     ),
     # Tensor-core family, tf32: V read in natural key order while P keeps the lane order
     # (keys 2t, 2t + 1): P·V pairs probabilities with the wrong value rows.
     "mma_tf32_pv_order": (
         "attention_mma.cu",
-        "        b0[0] = to_tf32(s[L::offset(8 * kk + 2 * t, n0 + g)]);\n"
-        "        b0[1] = to_tf32(s[L::offset(8 * kk + 2 * t + 1, n0 + g)]);",
-        "        b0[0] = to_tf32(s[L::offset(8 * kk + t, n0 + g)]);\n"
-        "        b0[1] = to_tf32(s[L::offset(8 * kk + t + 4, n0 + g)]);",
+        "        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);\n"
+        "        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t + 1, g)]);",
+        "        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, t, g)]);\n"
+        "        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, t + 4, g)]);",
+    ),
+    # Tensor-core family: no barrier at the end of a key tile, so a warp that finishes early
+    # refills the stage (tile n + 2) while a slower warp still reads tile n from it: a race.
+    "mma_no_stage_sync": (
+        "attention_mma.cu",
+        "            // every warp is done with this stage before a later iteration refills it\n"
+        "            __syncthreads();\n",
+        "",
     ),
     # Tensor-core family: the K/V stage is read without waiting for its cp.async group (the
     # emulation lands copies only at the wait: the tile reads as poison).

@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      tolerance)
+                      check_races, tolerance)
 from mutants import MUTANTS, mutant_sources
 from oracle import reference_attention
 
@@ -83,7 +82,8 @@ def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, 
     return q, k, v, opts
 
 
-def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=None, **options):
+def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=None,
+             emulate_options=None, **options):
     """Run the CUDA engine on NumPy inputs (moved to the GPU for "cupy"); NumPy results."""
     xp = np
     if backend == "cupy":
@@ -96,7 +96,7 @@ def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=No
     problem = validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
                                  **kwargs)
     out, lse = cuda.attention(problem, num_sms=num_sms, n_splits=n_splits,
-                              kernel_sources=kernel_sources)
+                              kernel_sources=kernel_sources, emulate_options=emulate_options)
     if backend == "cupy":
         out, lse = out.get(), (None if lse is None else lse.get())
     return out, lse
@@ -298,45 +298,18 @@ def test_mutants_fail_the_oracle_comparison(name):
 
 
 _TSAN_SCRIPT = """
-import sys
-sys.path[:0] = [{root!r}, {tests!r}]
-from cuonline.testing import emulate
-assert emulate.running_under_tsan()
 import test_cuda_engine as t
 q, k, v, opts = t.make_case(4, lq=20, lk=100)
-from cuonline._validate import validate_attention
-from cuonline.engines import cuda
-p = validate_attention(q, k, v, backend="emulate", scale=None, causal=False, window=None,
-                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
-                       return_lse=True)
-sources = {sources!r}
-out, lse = cuda.attention(p, num_sms=1, kernel_sources=sources,
-                          emulate_options=dict(tsan=True))
+out, lse = t.run_cuda("emulate", q, k, v, num_sms=1, return_lse=True,
+                      kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", out.shape)
 """
 
 
 @pytest.mark.parametrize("name", [None, "no_sync"], ids=["correct", "no_sync"])
 def test_thread_sanitizer(name):
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
-    from cuonline.testing import emulate
-
-    try:
-        env = emulate.tsan_environment()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
     sources = mutant_sources(name) if name else None
-    script = _TSAN_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), sources=sources)
-    proc = subprocess.run([emulate.tsan_python(), "-c", textwrap.dedent(script)],
-                          capture_output=True, text=True, env=env, timeout=600,
-                          cwd=str(ROOT))
-    reported = "WARNING: ThreadSanitizer" in proc.stderr
-    if name:
-        assert reported and "data race" in proc.stderr, proc.stderr[-3000:]
-    else:
-        assert not reported and proc.returncode == 0, proc.stderr[-3000:]
-        assert "DONE" in proc.stdout
+    check_races(_TSAN_SCRIPT.format(sources=sources), expect_race=name is not None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      tolerance)
+                      check_races, tolerance)
 from mutants import mutant_sources
 from oracle import reference_attention
 from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors
@@ -55,7 +55,7 @@ def problem_of(backend, q, k, v, precision="highest", **options):
 
 
 def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=None,
-            kernel_sources=None, expect_cp_async=None, **options):
+            kernel_sources=None, emulate_options=None, expect_cp_async=None, **options):
     """Run the engine on the tensor-core family; NumPy results."""
     p = problem_of(backend, q, k, v, precision, **options)
     plan = heuristics.plan_attention(p, n_splits=n_splits,
@@ -65,7 +65,7 @@ def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=Non
     if expect_cp_async is not None:
         assert plan.spec.cp_async == expect_cp_async, plan.spec.key
     out, lse = cuda.attention(p, n_splits=n_splits, num_sms=num_sms,
-                              kernel_sources=kernel_sources)
+                              kernel_sources=kernel_sources, emulate_options=emulate_options)
     if backend == "cupy":
         out, lse = out.get(), (None if lse is None else lse.get())
     return out, lse
@@ -332,6 +332,7 @@ MMA_MUTANTS = {
     "mma_k_frag_swapped": "f16",
     "mma_tf32_pv_order": "tf32",
     "mma_no_cp_async_wait": "f16",
+    "mma_no_stage_sync": "tf32",  # a race: the emulation runs warps out of step
     "no_rescale": "f64",       # common.cuh's SoftmaxState, shared with the SIMT family
 }
 
@@ -351,3 +352,19 @@ def test_mutants_fail_the_oracle_comparison(name):
     assert broken, (name, err)
     # and the real kernel passes the same case
     check("emulate", q, k, v, {}, precision=precision)
+
+
+_TSAN_SCRIPT = """
+import numpy as np
+import test_mma_engine as t
+q, k, v, _ = t.make_case(1, lq=20, lk=200, d=32, dv=24, dtype=np.float16)  # 4 key tiles
+out, lse = t.run_mma("emulate", q, k, v, num_sms=1, return_lse=True,
+                     kernel_sources={sources!r}, emulate_options=dict(tsan=True))
+print("DONE", out.shape)
+"""
+
+
+@pytest.mark.parametrize("name", [None, "mma_no_stage_sync"], ids=["correct", "no_stage_sync"])
+def test_thread_sanitizer(name):
+    sources = mutant_sources(name) if name else None
+    check_races(_TSAN_SCRIPT.format(sources=sources), expect_race=name is not None)

@@ -11,15 +11,13 @@ test_kernels_nvrtc.py).
 
 from __future__ import annotations
 
-import subprocess
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.special
 from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      tolerance)
+                      check_races, tolerance)
 
 import cuonline
 from cuonline.engines import cuda_softmax
@@ -378,44 +376,23 @@ def test_a_kernel_without_the_rescale_fails():
 # races: ThreadSanitizer on the cross-warp merge, and on a copy without its first barrier
 
 _TSAN_SCRIPT = """
-import sys
-sys.path[:0] = [{root!r}]
 import numpy as np
-from cuonline.testing import emulate
 from cuonline.engines import cuda_softmax
-assert emulate.running_under_tsan()
 x = np.random.default_rng(0).standard_normal((3, 3000)).astype(np.float32)  # 4 warps per row
 out = cuda_softmax.run("softmax", x, 1, None, backend="emulate", max_blocks=1,
                        kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", float(np.abs(out.sum(axis=1) - 1).max()))
 """
 # Without it, a warp can overwrite its s_m/s_l slot for the next row while another warp of the
-# block still merges the previous row's: the results stay right here, only TSan sees it.
+# block still merges the previous row's.
 _FIRST_BARRIER = "            __syncthreads();      // the previous row's reads of s_m/s_l are done\n"
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["correct", "no_first_barrier"])
 def test_thread_sanitizer(broken):
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
-    from cuonline.testing import emulate  # noqa: PLC0415
-
-    try:
-        env = emulate.tsan_environment()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
     sources = None
     if broken:
         text = source.read_kernel_file("softmax.cu")
         assert text.count(_FIRST_BARRIER) == 1
         sources = {"softmax.cu": text.replace(_FIRST_BARRIER, "")}
-    root = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.run([emulate.tsan_python(), "-c",
-                           _TSAN_SCRIPT.format(root=root, sources=sources)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    reported = "WARNING: ThreadSanitizer" in proc.stderr
-    assert "DONE" in proc.stdout, proc.stderr[-3000:]
-    if broken:
-        assert reported and "data race" in proc.stderr, proc.stderr[-3000:]
-    else:
-        assert not reported and proc.returncode == 0, proc.stderr[-3000:]
+    check_races(_TSAN_SCRIPT.format(sources=sources), expect_race=broken)

@@ -11,7 +11,10 @@
 //     before every block, so reads of never-written shared memory give NaN / -1.
 //   * CUEMU_MODE_FIBERS: every CUDA thread of a block is a user-space context on the launching OS
 //     thread; contexts switch only at __syncthreads, __syncwarp, shuffles and votes.  Deadlocks
-//     and misuse are reported as a launch error (a Python exception), not an abort.
+//     and misuse are reported as a launch error (a Python exception), not an abort.  Warps do
+//     not advance together: one warp runs as far as it can (to a __syncthreads or its end)
+//     before the next starts, in an order that changes from block to block, so a kernel that
+//     counts on warps being in step between two barriers reads poison or stale data.
 //   * CUEMU_MODE_THREADS: one OS thread per CUDA thread, created once per launch and walking the
 //     grid block by block; barriers are futex-based.  This is the mode for ThreadSanitizer.
 //     Misuse aborts the process with a message; a watchdog aborts a barrier stuck for
@@ -425,15 +428,30 @@ inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
             t.state = kReady;
             t.sp = prepare_stack(t.stack_top, &t);
         }
+        // Warp order of this block: a rotation, reversed on every other pass over the warps.
+        // Lanes of the running warp take turns (they meet at every collective); the warp runs
+        // until none of its lanes can go on, i.e. all wait at __syncthreads or have exited.
+        // The lane that completes a __syncthreads carries its warp into the next phase first.
+        const unsigned nw = unsigned(b.warps.size());
+        const unsigned linear = (bz * grid.y + by) * grid.x + bx;
+        const bool reverse = (linear / nw) % 2 == 1;
         while (b.live > 0) {
             bool ran = false;
-            for (auto& t : b.th) {
-                if (t.state != kReady) continue;
-                self = &t;
-                threadIdx = t.tid;
-                cuemu_ctx_switch(&b.sched_sp, t.sp);
-                ran = true;
-                if (b.failed) { g_block = nullptr; self = nullptr; return 1; }
+            for (unsigned k = 0; k < nw; ++k) {
+                const unsigned w = (linear + (reverse ? nw - 1 - k : k)) % nw;
+                const Warp& wp = b.warps[w];
+                for (bool progress = true; progress;) {
+                    progress = false;
+                    for (unsigned i = wp.first; i < wp.first + wp.lanes; ++i) {
+                        ThreadRec& t = b.th[i];
+                        if (t.state != kReady) continue;
+                        self = &t;
+                        threadIdx = t.tid;
+                        cuemu_ctx_switch(&b.sched_sp, t.sp);
+                        progress = ran = true;
+                        if (b.failed) { g_block = nullptr; self = nullptr; return 1; }
+                    }
+                }
             }
             if (!ran) {
                 std::snprintf(g_last_error, sizeof g_last_error, "%s",

@@ -121,6 +121,15 @@ MUTANTS = {
         "swizzle",
         "bank conflicts: the swizzle does not permute chunks",
     ),
+    # split_offset with the whole column block added outside the XOR: right for the first span
+    # of a row only, so fragments of later k-steps would come from the wrong chunks.
+    "split_offset_unspanned": Mutant(
+        "tensor_core.cuh",
+        "return r0 * L::kStride + (c0 / L::kSpan) * L::kSpan + L::offset(r, c0 % L::kSpan + c);",
+        "return r0 * L::kStride + c0 + L::offset(r, c);",
+        "swizzle",
+        "split_offset outside the XOR span",
+    ),
 }
 
 

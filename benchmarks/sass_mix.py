@@ -1,0 +1,97 @@
+"""Instructions per key tile of the tensor-core kernels, read from their SASS (no GPU needed).
+
+    python benchmarks/sass_mix.py [--arch sm_90] [--against REV] [--json]
+
+Compiles the main tensor-core variants with NVRTC, disassembles them with nvdisasm
+(pip install "nvidia-cuda-nvdisasm==13.*") and prints, for the loop over key tiles: the
+instructions in its body, the mma instructions among them, instructions per mma, the integer
+(address and index) share, and the registers ptxas gave the kernel. ``--against REV`` compiles
+the kernel files of git revision REV in the same run, for a before/after table.
+
+The counts are static (see cuonline/kernels/sass.py): a proxy for the issue slots one key tile
+costs a warp. On an H100/H200 a warp issues one instruction per cycle and an m16n8k16 HMMA
+occupies its tensor core for several, so a loop far above a few instructions per mma is bound
+by issue, not by the tensor cores. Speed itself is measured by gpu_check.sh on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+from cuonline.kernels import sass
+from cuonline.kernels.specs import MmaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FILES = ("attention_mma.cu", "common.cuh", "tensor_core.cuh", "attention_block.cuh",
+                "attention_combine.cuh")
+
+#: (label, spec): the tiles the heuristics ship for sm_90 at each dtype's common head sizes.
+VARIANTS = [
+    ("f16 d64", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)),
+    ("f16 d128", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2)),
+    ("bf16 d128 lse", MmaSpec(dtype="bfloat16", d=128, dv=128, warps=4, block_n=64,
+                              stages=2, return_lse=True)),
+    ("f16 d128 mask", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2,
+                              mask=True)),
+    ("tf32 d64", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2)),
+    ("f64 d64", MmaSpec(dtype="float64", d=64, dv=64, warps=4, block_n=16, stages=2)),
+    ("f64 d128", MmaSpec(dtype="float64", d=128, dv=128, warps=2, block_n=16, stages=1)),
+]
+
+
+def files_at(rev):
+    """The kernel files of git revision ``rev`` (those that exist there)."""
+    out = {}
+    for name in KERNEL_FILES:
+        proc = subprocess.run(["git", "show", f"{rev}:kernels_cu/{name}"], cwd=ROOT,
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            out[name] = proc.stdout
+    if "attention_mma.cu" not in out:
+        raise SystemExit(f"{rev}: no kernels_cu/attention_mma.cu there")
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--against", metavar="REV", help="git revision to compare with")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    args = parser.parse_args(argv)
+
+    before = files_at(args.against) if args.against else None
+    rows = []
+    for label, spec in VARIANTS:
+        if args.only and label not in args.only:
+            continue
+        row = {"variant": label, "key": spec.key, "arch": args.arch}
+        now = sass.variant_mix(spec, args.arch)
+        row.update(registers=now.registers, loop=now.instructions, mma=now.mma,
+                   per_mma=round(now.per_mma, 2), integer=now.integer)
+        if before is not None:
+            then = sass.variant_mix(spec, args.arch, overrides=before)
+            row.update(before_registers=then.registers, before_loop=then.instructions,
+                       before_per_mma=round(then.per_mma, 2), before_integer=then.integer)
+        rows.append(row)
+        if not args.json:
+            print(line(row), flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+
+
+def line(row):
+    text = (f"{row['variant']:28s} {row['arch']}  regs {row['registers']:3d}  loop "
+            f"{row['loop']:5d}  mma {row['mma']:4d}  per mma {row['per_mma']:5.2f}  integer "
+            f"{row['integer']:4d}")
+    if "before_loop" in row:
+        text += (f"  | before: regs {row['before_registers']:3d}  loop {row['before_loop']:5d}"
+                 f"  per mma {row['before_per_mma']:5.2f}  integer {row['before_integer']:4d}")
+    return text
+
+
+if __name__ == "__main__":
+    main()
