@@ -66,26 +66,45 @@ typedef CUONLINE_ACC Acc;
 
 __device__ __forceinline__ int lane_() { return threadIdx.x % 32; }
 
+// ldmatrix of row-major tiles for Q (A) and K (B = K^T), shared by the 16-bit types and tf32.
+// An ldmatrix row is 16 bytes: 8 halves or 4 floats, and register i of lane (g, t) receives
+// b16 pair t of row g of matrix i, i.e. elements 2t, 2t + 1 (16-bit) or element t (float):
+// exactly the A and B fragment layouts of m16n8k16 and of m16n8k8.tf32.
+template <class E> struct LdsmQK {
+    static constexpr int kC = 16 / int(sizeof(E));  // elements per ldmatrix row
+    // x4: lane supplies row r0 + lane % 16 at column k0 + kC (lane / 16): registers are
+    // A[g][t], A[g + 8][t], A[g][t + kC], A[g + 8][t + kC] (in units of the b16 pair)
+    template <class L>
+    __device__ __forceinline__ static void load_a(unsigned (&a)[4], const E* s, int r0, int k0) {
+        const int lane = lane_();
+        ldmatrix_x4(a, s + split_offset<L>(r0, k0, lane % 16, (lane / 16) * kC));
+    }
+    // x4 of an (n, k) tile: rows n0 + 8 (lane / 16) + lane % 8, columns k0 + kC ((lane / 8) % 2);
+    // registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
+    template <class L>
+    __device__ __forceinline__ static void load_bt2(unsigned (&b0)[2], unsigned (&b1)[2],
+                                                   const E* s, int n0, int k0) {
+        const int lane = lane_();
+        unsigned r[4];
+        ldmatrix_x4(r, s + split_offset<L>(n0, k0, (lane / 16) * 8 + lane % 8,
+                                           ((lane / 8) % 2) * kC));
+        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
+    }
+};
+
 template <class T16> struct Ops16 {
     static constexpr int kK = 16;
     typedef unsigned AFrag[4];
     typedef unsigned BFrag[2];
 
-    // ldmatrix x4: lane supplies row r0 + lane % 16 at column k0 + 8 (lane / 16)
     template <class L>
     __device__ __forceinline__ static void load_a(AFrag& a, const T16* s, int r0, int k0) {
-        const int lane = lane_();
-        ldmatrix_x4(a, s + split_offset<L>(r0, k0, lane % 16, (lane / 16) * 8));
+        LdsmQK<T16>::template load_a<L>(a, s, r0, k0);
     }
-    // ldmatrix x4 of an (n, k) tile: rows n0 + 8 (lane / 16) + lane % 8, columns
-    // k0 + 8 ((lane / 8) % 2); registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
     template <class L>
     __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const T16* s, int n0,
                                                    int k0) {
-        const int lane = lane_();
-        unsigned r[4];
-        ldmatrix_x4(r, s + split_offset<L>(n0, k0, (lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8));
-        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
+        LdsmQK<T16>::template load_bt2<L>(b0, b1, s, n0, k0);
     }
     // ldmatrix x4 .trans of a (k, n) tile: lane supplies key row 16 kk + lane % 16 at column
     // n0 + 8 (lane / 16); registers {0, 1} are n-tile n0, {2, 3} n-tile n0 + 8
@@ -117,24 +136,24 @@ template <> struct Ops<float> {
     typedef unsigned AFrag[4];
     typedef unsigned BFrag[2];
 
-    // a[0] = A[g][t], a[1] = A[g+8][t], a[2] = A[g][t+4], a[3] = A[g+8][t+4]
+    // a[0] = A[g][t], a[1] = A[g+8][t], a[2] = A[g][t+4], a[3] = A[g+8][t+4], by ldmatrix
+    // (4 floats per row), then rounded
     template <class L>
     __device__ __forceinline__ static void load_a(AFrag& a, const float* s, int r0, int k0) {
-        const int g = lane_() / 4, t = lane_() % 4;
-        a[0] = to_tf32(s[split_offset<L>(r0, k0, g, t)]);
-        a[1] = to_tf32(s[split_offset<L>(r0, k0, g + 8, t)]);
-        a[2] = to_tf32(s[split_offset<L>(r0, k0, g, t + 4)]);
-        a[3] = to_tf32(s[split_offset<L>(r0, k0, g + 8, t + 4)]);
+        LdsmQK<float>::template load_a<L>(a, s, r0, k0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = to_tf32(__uint_as_float(a[i]));
     }
-    // b[0] = B[t][g] = s[n0 + g][k0 + t], b[1] = B[t+4][g]
+    // b[0] = B[t][g] = s[n0 + g][k0 + t], b[1] = B[t+4][g], for n-tiles n0 and n0 + 8
     template <class L>
     __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const float* s, int n0,
                                                    int k0) {
-        const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = to_tf32(s[split_offset<L>(n0, k0, g, t)]);
-        b0[1] = to_tf32(s[split_offset<L>(n0, k0, g, t + 4)]);
-        b1[0] = to_tf32(s[split_offset<L>(n0, k0, 8 + g, t)]);
-        b1[1] = to_tf32(s[split_offset<L>(n0, k0, 8 + g, t + 4)]);
+        LdsmQK<float>::template load_bt2<L>(b0, b1, s, n0, k0);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            b0[i] = to_tf32(__uint_as_float(b0[i]));
+            b1[i] = to_tf32(__uint_as_float(b1[i]));
+        }
     }
     // k-step kk covers keys 8 kk .. 8 kk + 7 in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t)
     // holds P[g][2t], P[g][2t+1] = A[g][t], A[g][t+4], so B[t][n] = V[2t][n], B[t+4][n] = V[2t+1][n].
