@@ -37,8 +37,8 @@ MUTANTS = {
     # takes n-tile 0's first register and n-tile 1's second): a wrong fragment layout.
     "mma_k_frag_swapped": (
         "attention_mma.cu",
-        "((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
-        "((lane / 8) % 2) * 8));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
+        "((lane / 8) % 2) * kC));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
+        "((lane / 8) % 2) * kC));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
     ),
     # Tensor-core family, tf32: V read in natural key order while P keeps the lane order
     # (keys 2t, 2t + 1): P·V pairs probabilities with the wrong value rows.
