@@ -10,6 +10,9 @@ For each dtype (float16, float32, float64), head dimension (64, 128), length N (
 * ``cuonline``: ``cuonline.attention`` on CuPy arrays (our kernels: tensor cores for float16
   and float64, exact SIMT float32);
 * ``cuonline-tf32``: float32 only, ``precision="tf32"`` (TF32 tensor cores);
+* ``cuonline-8w``: float16 only, the tensor-core kernel forced to 8 warps (128 query rows per
+  block, half the K/V traffic per query of the built-in 4 warps; FlashAttention-2's block
+  height) through the engine's ``tuned`` seam: data for the tile table;
 * ``naive-cupy``: ``softmax(q k^T * scale) v`` in CuPy with the scores materialised, same dtype;
 * ``torch-<backend>``: ``scaled_dot_product_attention`` restricted to each SDPA backend (flash,
   efficient, cudnn, math) that accepts the case.
@@ -88,6 +91,20 @@ def torch_backends():
     return found
 
 
+def forced_tiles(q, k, v, causal, tiles):
+    """A callable running the CUDA engine with the tensor-core tiles ``(warps, block_n,
+    stages)`` forced, validated once (the public API validates on every call)."""
+    from cuonline._validate import validate_attention
+    from cuonline.engines import cuda
+    from cuonline.kernels import heuristics
+
+    p = validate_attention(q, k, v, backend="cupy", scale=None, causal=causal, window=None,
+                           bias=None, mask=None, kv_lengths=None, alibi_slopes=None,
+                           softcap=None, return_lse=False, precision="highest")
+    tuned = {("attention_mma", p.dtype.name, heuristics.d_bucket(max(p.d, p.dv))): tiles}
+    return lambda: cuda.attention(p, tuned=tuned)[0]
+
+
 def cases(quick):
     dtypes = ["float16", "float32", "float64"]
     dims = [64, 128]
@@ -135,6 +152,8 @@ def run(args, out):
         if dtype == "float32":
             engines["cuonline-tf32"] = lambda: cuonline.attention(q, k, v, causal=causal,
                                                                   precision="tf32")
+        if dtype == "float16":
+            engines["cuonline-8w"] = forced_tiles(q, k, v, causal, (8, 64, 2))
         if torch_fns:
             tq, tk, tv = (torch.from_dlpack(x)[None] for x in (q, k, v))   # (1, bh, n, d)
             for name, fn in torch_fns.items():
