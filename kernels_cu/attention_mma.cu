@@ -94,6 +94,7 @@ template <class E> struct LdsmQK {
 
 template <class T16> struct Ops16 {
     static constexpr int kK = 16;
+    static constexpr bool kRoundTiles = false;  // see Ops<float>
     typedef unsigned AFrag[4];
     typedef unsigned BFrag[2];
 
@@ -133,6 +134,10 @@ template <> struct Ops<__nv_bfloat16> : Ops16<__nv_bfloat16> {};
 // tf32: float tiles in shared memory, rounded (cvt.rna) as fragments are built.
 template <> struct Ops<float> {
     static constexpr int kK = 8;
+    // K and V tiles are rounded to tf32 in shared memory once per tile (round_tile, by the
+    // threads that loaded them) rather than by every warp at every fragment load; Q (loaded
+    // once) and P (in registers) are rounded as their fragments are built.
+    static constexpr bool kRoundTiles = true;
     typedef unsigned AFrag[4];
     typedef unsigned BFrag[2];
 
@@ -148,12 +153,7 @@ template <> struct Ops<float> {
     template <class L>
     __device__ __forceinline__ static void load_bt2(BFrag& b0, BFrag& b1, const float* s, int n0,
                                                    int k0) {
-        LdsmQK<float>::template load_bt2<L>(b0, b1, s, n0, k0);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            b0[i] = to_tf32(__uint_as_float(b0[i]));
-            b1[i] = to_tf32(__uint_as_float(b1[i]));
-        }
+        LdsmQK<float>::template load_bt2<L>(b0, b1, s, n0, k0);  // K: rounded in the tile
     }
     // k-step kk covers keys 8 kk .. 8 kk + 7 in the order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t)
     // holds P[g][2t], P[g][2t+1] = A[g][t], A[g][t+4], so B[t][n] = V[2t][n], B[t+4][n] = V[2t+1][n].
@@ -161,10 +161,10 @@ template <> struct Ops<float> {
     __device__ __forceinline__ static void load_pv_b2(BFrag& b0, BFrag& b1, const float* s, int kk,
                                                      int n0) {
         const int g = lane_() / 4, t = lane_() % 4;
-        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);
-        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t + 1, g)]);
-        b1[0] = to_tf32(s[split_offset<L>(8 * kk, n0 + 8, 2 * t, g)]);
-        b1[1] = to_tf32(s[split_offset<L>(8 * kk, n0 + 8, 2 * t + 1, g)]);
+        b0[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);  // V: rounded
+        b0[1] = __float_as_uint(s[split_offset<L>(8 * kk, n0, 2 * t + 1, g)]);
+        b1[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0 + 8, 2 * t, g)]);
+        b1[1] = __float_as_uint(s[split_offset<L>(8 * kk, n0 + 8, 2 * t + 1, g)]);
     }
     template <int kNt>
     __device__ __forceinline__ static void p_to_a(AFrag& a, const float (&p)[kNt][4], int kk) {
@@ -182,6 +182,7 @@ template <> struct Ops<float> {
 // layout, so the softmax code is the same as for the other types.
 template <> struct Ops<double> {
     static constexpr int kK = 4;
+    static constexpr bool kRoundTiles = false;
     typedef double AFrag[2];  // A[g][t], A[g+8][t]
     typedef double BFrag[1];  // B[t][g]
 
@@ -264,23 +265,44 @@ typedef Acc OutT;  // partial, normalised out per split (workspace), merged by t
 typedef T OutT;
 #endif
 
+// The 16-byte chunks of a (kRows, kPadCols) tile that this thread moves, as f(r, col). When the
+// block's threads cover whole rows of chunks (kThreads % kRowChunks == 0, every shipped tile)
+// each thread keeps one chunk column and steps down the rows, so its column and its address
+// strides are worked out once per tile, not per chunk.
+template <int kRows, int kPadCols, class F>
+__device__ __forceinline__ void for_own_chunks(F&& f) {
+    constexpr int kRowChunks = kPadCols / kChunk;
+    if constexpr (kThreads % kRowChunks == 0) {
+        constexpr int kRowStep = kThreads / kRowChunks;
+        const int col = int(threadIdx.x) % kRowChunks * kChunk;
+        const int r_first = int(threadIdx.x) / kRowChunks;
+#pragma unroll 2  // full unrolls cost registers (spills in 32-row single-warp tiles)
+        for (int k = 0; k < (kRows + kRowStep - 1) / kRowStep; ++k) {
+            const int r = r_first + k * kRowStep;
+            if (kRows % kRowStep == 0 || r < kRows) f(r, col);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
+            const int r = idx / kRowChunks;
+            f(r, (idx - r * kRowChunks) * kChunk);
+        }
+    }
+}
+
 // Stage rows [r0, r0 + kRows) x columns [0, kCols) of a (rows, cols) operand into a tile of
 // layout L whose padded width is L's; rows at or past row_end and columns past kCols are zero
 // and never read from global memory. cp.async moves whole 16-byte chunks (host-checked
 // alignment); the fallback reads elements through both strides.
-// When the block's threads cover whole rows of chunks (kThreads % kRowChunks == 0, every shipped
-// tile), each thread keeps one chunk column and steps down the rows, so the column, the byte
-// count and most of both addresses are computed once per call, not per chunk.
 template <class L, int kRows, int kCols, int kPadCols>
 __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_stride,
                                           long long col_stride, long long r0, long long row_end) {
-    constexpr int kRowChunks = kPadCols / kChunk;
     // rows of the tile that exist in the operand, in [0, kRows]
     const long long left = row_end - r0;
     const int rows = left <= 0 ? 0 : (left >= kRows ? kRows : int(left));
-    // Chunk (r, col): cp.async (whole 16-byte chunks) or element-wise loads into the same place.
-    auto copy_chunk = [&](int r, int col, const T* src) {
+    const T* tile = base + r0 * row_stride;
+    for_own_chunks<kRows, kPadCols>([&](int r, int col) {
         T* dst = s + L::offset(r, col);
+        const T* src = tile + r * row_stride + col * col_stride;
 #if CUONLINE_CP_ASYNC
         (void)col_stride;
         int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
@@ -291,29 +313,18 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
         for (int e = 0; e < kChunk; ++e)
             dst[e] = r < rows && col + e < kCols ? src[e * col_stride] : FromAcc<T>::cvt(0.0f);
 #endif
-    };
-    if constexpr (kThreads % kRowChunks == 0) {
-        // The threads cover whole rows of chunks (every shipped tile): each thread keeps one
-        // chunk column and steps down the rows, so the column, the byte count and the address
-        // strides are worked out once per call, not per chunk.
-        constexpr int kRowStep = kThreads / kRowChunks;
-        const int col = int(threadIdx.x) % kRowChunks * kChunk;
-        const int r_first = int(threadIdx.x) / kRowChunks;
-        const T* src = base + (r0 + r_first) * row_stride + col * col_stride;
-        const long long src_step = kRowStep * row_stride;
-#pragma unroll 2  // full unrolls cost registers (spills in 32-row single-warp tiles)
-        for (int k = 0; k < (kRows + kRowStep - 1) / kRowStep; ++k) {
-            const int r = r_first + k * kRowStep;
-            if (kRows % kRowStep == 0 || r < kRows) copy_chunk(r, col, src);
-            src += src_step;
-        }
-    } else {
-        for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
-            const int r = idx / kRowChunks;
-            const int col = (idx - r * kRowChunks) * kChunk;
-            copy_chunk(r, col, base + (r0 + r) * row_stride + col * col_stride);
-        }
-    }
+    });
+}
+
+// tf32 (Ops<float>::kRoundTiles): round this thread's chunks of a staged tile in place. Called
+// after this thread's copies landed and before the barrier that hands the tile to all warps.
+template <class L, int kRows, int kPadCols>
+__device__ __forceinline__ void round_tile(T* s) {
+    for_own_chunks<kRows, kPadCols>([&](int r, int col) {
+        T* chunk = s + L::offset(r, col);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) chunk[e] = __uint_as_float(to_tf32(chunk[e]));
+    });
 }
 
 }  // namespace mma
@@ -422,6 +433,10 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
             }
             cp_async_commit();
             cp_async_wait<kStages - 1>();  // tile n (and Q) landed for this thread...
+            if constexpr (Op::kRoundTiles) {
+                round_tile<LQK, kBlockN, kDp>(sK + int(n % kStages) * kKElems);
+                round_tile<LV, kBlockN, kDvp>(sV + int(n % kStages) * kVElems);
+            }
             __syncthreads();               // ...and for every thread
             const T* sKn = sK + int(n % kStages) * kKElems;
             const T* sVn = sV + int(n % kStages) * kVElems;

@@ -44,10 +44,8 @@ MUTANTS = {
     # (keys 2t, 2t + 1): P·V pairs probabilities with the wrong value rows.
     "mma_tf32_pv_order": (
         "attention_mma.cu",
-        "        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);\n"
-        "        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, 2 * t + 1, g)]);",
-        "        b0[0] = to_tf32(s[split_offset<L>(8 * kk, n0, t, g)]);\n"
-        "        b0[1] = to_tf32(s[split_offset<L>(8 * kk, n0, t + 4, g)]);",
+        "b0[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);",
+        "b0[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0, t, g)]);",
     ),
     # Tensor-core family: no barrier at the end of a key tile, so a warp that finishes early
     # refills the stage (tile n + 2) while a slower warp still reads tile n from it: a race.

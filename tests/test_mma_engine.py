@@ -241,6 +241,40 @@ def test_tf32_is_really_tf32():
     check("emulate", q, k, v, {}, precision="tf32")
 
 
+def round_tf32(x):
+    """float32 -> the nearest tf32 value (ties away from zero, as cvt.rna), finite inputs."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def tf32_rounded_reference(q, k, v):
+    """Attention over one key tile as precision="tf32" computes it: q, k, v and the weights P
+    rounded to nearest tf32, the sums and the normaliser l (of the unrounded weights) exact."""
+    q, k, v = (round_tf32(x).astype(np.float64) for x in (q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (round_tf32(p.astype(np.float32)).astype(np.float64) @ v) / p.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("tiles", ["rounded", "truncated"])
+def test_tf32_rounds_to_nearest(tiles):
+    """Operands are rounded (cvt.rna), not truncated as the tensor core would on its own: with
+    one key tile the output matches the rounded-input reference to float32 accumulation error,
+    far below the tf32 rounding error that a kernel feeding raw K and V tiles shows."""
+    if _emulate_reason is not None:
+        pytest.skip(_emulate_reason)
+    q, k, v, _ = make_case(11, batch=(2,), lq=40, lk=32, d=64, dv=64, dtype=np.float32)
+    sources = None
+    if tiles == "truncated":
+        text = source.read_kernel_file("attention_mma.cu")
+        flag = "    static constexpr bool kRoundTiles = true;\n"
+        assert text.count(flag) == 1
+        sources = {"attention_mma.cu": text.replace(flag, flag.replace("true", "false"))}
+    out, _ = run_mma("emulate", q, k, v, precision="tf32", kernel_sources=sources)
+    err = np.abs(out - tf32_rounded_reference(q, k, v)).max()
+    assert (err < 2e-6) == (tiles == "rounded"), err
+
+
 # --------------------------------------------------------------------------------------------
 # dispatch and heuristics (pure functions)
 
