@@ -51,6 +51,58 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk,
     return r;
 }
 
+// Raw score q·k -> the score in log2 units (the kernels' exp2 domain): scaled, or soft-capped
+// (cap tanh(scale q·k / cap)), plus the additive bias, minus the ALiBi penalty. The constants
+// are folded once per block (the ALiBi slope is the batch element's).
+template <class Acc>
+struct ScoreMap {
+    Acc log2e_;
+#if CUONLINE_HAS_SOFTCAP
+    Acc scale_over_cap, cap_log2;
+#else
+    Acc scale_log2;
+#endif
+#if CUONLINE_HAS_ALIBI
+    Acc slope_log2;
+#endif
+
+    __device__ __forceinline__ ScoreMap(Acc scale, Acc softcap, const Acc* alibi, long long b) {
+        log2e_ = log2e(Acc());
+#if CUONLINE_HAS_SOFTCAP
+        scale_over_cap = scale / softcap;
+        cap_log2 = softcap * log2e_;
+#else
+        (void)softcap;
+        scale_log2 = scale * log2e_;
+#endif
+#if CUONLINE_HAS_ALIBI
+        slope_log2 = alibi[b] * log2e_;
+#else
+        (void)alibi;
+        (void)b;
+#endif
+    }
+    __device__ __forceinline__ Acc scaled(Acc qk) const {
+#if CUONLINE_HAS_SOFTCAP
+        return cap_log2 * tanh_(qk * scale_over_cap);
+#else
+        return qk * scale_log2;
+#endif
+    }
+    __device__ __forceinline__ Acc bias(Acc value) const { return value * log2e_; }
+    // the ALiBi term of query i (diagonal-aligned: key i + diag) and key j
+    __device__ __forceinline__ Acc alibi(long long i_diag, long long j) const {
+#if CUONLINE_HAS_ALIBI
+        const long long dist = i_diag - j;
+        return slope_log2 * Acc(dist < 0 ? -dist : dist);
+#else
+        (void)i_diag;
+        (void)j;
+        return Acc(0);
+#endif
+    }
+};
+
 // Row of (batch element b, query i) in out and lse, contiguous ([nsplit,] nbatch, lq). Derived
 // from the grid where it is written, so that no register carries it through the key loop.
 template <int kBlockM>

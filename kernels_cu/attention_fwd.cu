@@ -118,17 +118,7 @@ cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: 
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
-    // ---- per-row constants, in log2 units
-    const Acc log2e_ = log2e(Acc());
-#if CUONLINE_HAS_SOFTCAP
-    const Acc scale_over_cap = scale / softcap;  // s = cap * tanh(scale * qk / cap)
-    const Acc cap_log2 = softcap * log2e_;
-#else
-    const Acc scale_log2 = scale * log2e_;
-#endif
-#if CUONLINE_HAS_ALIBI
-    const Acc slope_log2 = alibi[b] * log2e_;
-#endif
+    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in log2 units
 
     SoftmaxState<Acc, kCols> state[kRows];
 #pragma unroll
@@ -186,24 +176,16 @@ cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: 
                         visible = mask[mo] != 0;
                     }
 #endif
-                    Acc x;
-#if CUONLINE_HAS_SOFTCAP
-                    x = cap_log2 * tanh_(s[r][t] * scale_over_cap);
-#else
-                    x = s[r][t] * scale_log2;
-#endif
+                    Acc x = score_map.scaled(s[r][t]);
 #if CUONLINE_HAS_BIAS
                     if (visible) {
                         const long long bo = off[kBias] + i * strides[2 * kBias] +
                                              j * strides[2 * kBias + 1];
-                        x += bias[bo] * log2e_;
+                        x += score_map.bias(bias[bo]);
                     }
 #endif
 #if CUONLINE_HAS_ALIBI
-                    {
-                        const long long dist = i + diag - j;
-                        x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
-                    }
+                    x -= score_map.alibi(i + diag, j);
 #endif
                     s[r][t] = visible ? x : neg_inf(Acc());
                 }

@@ -372,17 +372,7 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
-    // ---- per-row constants, in log2 units
-    const Acc log2e_ = log2e(Acc());
-#if CUONLINE_HAS_SOFTCAP
-    const Acc scale_over_cap = scale / softcap;  // s = cap * tanh(scale * qk / cap)
-    const Acc cap_log2 = softcap * log2e_;
-#else
-    const Acc scale_log2 = scale * log2e_;
-#endif
-#if CUONLINE_HAS_ALIBI
-    const Acc slope_log2 = alibi[b] * log2e_;
-#endif
+    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in log2 units
 
     // Lane's rows: i0 + 16 warp + g (h = 0) and + 8 (h = 1). state[h].o[2 nv + c] is output
     // column 8 nv + 2t + c of row h: the C layout of n-tile nv, split by row.
@@ -512,20 +502,12 @@ cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: 
 #if CUONLINE_HAS_MASK
                     if (visible) visible = mask_row[h][(8 * nt + (e & 1)) * mask_cs] != 0;
 #endif
-                    Acc x;
-#if CUONLINE_HAS_SOFTCAP
-                    x = cap_log2 * tanh_(sc[nt][e] * scale_over_cap);
-#else
-                    x = sc[nt][e] * scale_log2;
-#endif
+                    Acc x = score_map.scaled(sc[nt][e]);
 #if CUONLINE_HAS_BIAS
-                    if (visible) x += bias_row[h][(8 * nt + (e & 1)) * bias_cs] * log2e_;
+                    if (visible) x += score_map.bias(bias_row[h][(8 * nt + (e & 1)) * bias_cs]);
 #endif
 #if CUONLINE_HAS_ALIBI
-                    {
-                        const long long dist = i + diag - j;
-                        x -= slope_log2 * Acc(dist < 0 ? -dist : dist);
-                    }
+                    x -= score_map.alibi(i + diag, j);
 #endif
                     sc[nt][e] = visible ? x : neg_inf(Acc());
                     tile_max[h] = max_(tile_max[h], sc[nt][e]);
