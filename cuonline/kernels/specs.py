@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["FEATURES", "KernelSpec", "MAX_HEAD_DIM", "MMA_INSTRUCTIONS", "MMA_MAX_HEAD_DIM", "MmaSpec",
-           "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
+__all__ = ["AttentionFeatures", "FEATURES", "KernelSpec", "MAX_HEAD_DIM", "MMA_INSTRUCTIONS",
+           "MMA_MAX_HEAD_DIM", "MmaSpec", "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
@@ -27,6 +27,55 @@ _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
             "float64": "double"}
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttentionFeatures:
+    """The option flags both attention families compile in: keyword-only fields of
+    :class:`KernelSpec` and :class:`MmaSpec`, with what they derive from them.
+
+    Attributes
+    ----------
+    window, bias, mask, kv_lengths, alibi, softcap, return_lse : bool
+        Compile-time feature flags (causal is folded into ``window``).
+    split : bool
+        Keys are split across ``grid.z``; partial states go to a workspace and a second kernel
+        (``cuonline_attention_combine``) merges them.
+    """
+
+    window: bool = False
+    bias: bool = False
+    mask: bool = False
+    kv_lengths: bool = False
+    alibi: bool = False
+    softcap: bool = False
+    return_lse: bool = False
+    split: bool = False
+
+    combine_entry = "cuonline_attention_combine"
+
+    @property
+    def features(self) -> tuple:
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+    def _flag_key(self) -> list:
+        """The end of the key: the features, then ``split``."""
+        return list(self.features) + (["split"] if self.split else [])
+
+    def _flag_defines(self) -> dict:
+        out = {}
+        for f in FEATURES:
+            name = "CUONLINE_RETURN_LSE" if f == "return_lse" else f"CUONLINE_HAS_{f.upper()}"
+            out[name] = int(getattr(self, f))
+        out["CUONLINE_SPLIT"] = int(self.split)
+        return out
+
+    def entries(self) -> tuple:
+        """Kernel symbols this variant defines."""
+        return (self.entry, self.combine_entry)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def dtype_tag(dtype) -> str:
     """Short tag of a floating dtype name: ``float16`` -> ``f16``."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
@@ -34,7 +83,7 @@ def dtype_tag(dtype) -> str:
 
 
 @dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(AttentionFeatures):
     """One variant of the ``attention_fwd`` family.
 
     Attributes
@@ -46,11 +95,8 @@ class KernelSpec:
     warps, rows_per_warp, keys_per_lane : int
         Block shape: ``block_m = warps * rows_per_warp`` query rows per block and
         ``block_n = 32 * keys_per_lane`` keys per tile.
-    window, bias, mask, kv_lengths, alibi, softcap, return_lse : bool
-        Compile-time feature flags (causal is folded into ``window``).
-    split : bool
-        Keys are split across ``grid.z``; partial states go to a workspace and a second kernel
-        (``cuonline_attention_combine``) merges them.
+    window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
+        Keyword-only: see :class:`AttentionFeatures`.
     """
 
     dtype: str
@@ -60,18 +106,9 @@ class KernelSpec:
     warps: int
     rows_per_warp: int
     keys_per_lane: int
-    window: bool = False
-    bias: bool = False
-    mask: bool = False
-    kv_lengths: bool = False
-    alibi: bool = False
-    softcap: bool = False
-    return_lse: bool = False
-    split: bool = False
 
     family = "attention_fwd"
     entry = "cuonline_attention_fwd"
-    combine_entry = "cuonline_attention_combine"
     #: Files pasted before the family's .cu, in order (see cuonline.kernels.source).
     headers = ("common.cuh", "attention_block.cuh", "attention_combine.cuh")
 
@@ -107,10 +144,6 @@ class KernelSpec:
         )
 
     @property
-    def features(self) -> tuple:
-        return tuple(f for f in FEATURES if getattr(self, f))
-
-    @property
     def key(self) -> str:
         """Readable unique name, e.g. ``attention_fwd_f32_d64_dv64_bm16_bn64_w4_window_bias``."""
         parts = [
@@ -119,10 +152,7 @@ class KernelSpec:
         ]
         if self.acc != ("float64" if self.dtype == "float64" else "float32"):
             parts.append(f"acc{dtype_tag(self.acc)}")
-        parts.extend(self.features)
-        if self.split:
-            parts.append("split")
-        return "_".join(parts)
+        return "_".join(parts + self._flag_key())
 
     def defines(self) -> dict:
         """``#define`` name -> value, in a fixed order."""
@@ -135,18 +165,8 @@ class KernelSpec:
             "CUONLINE_ROWS_PER_WARP": self.rows_per_warp,
             "CUONLINE_KEYS_PER_LANE": self.keys_per_lane,
         }
-        for f in FEATURES:
-            name = "CUONLINE_RETURN_LSE" if f == "return_lse" else f"CUONLINE_HAS_{f.upper()}"
-            out[name] = int(getattr(self, f))
-        out["CUONLINE_SPLIT"] = int(self.split)
+        out.update(self._flag_defines())
         return out
-
-    def entries(self) -> tuple:
-        """Kernel symbols this variant defines."""
-        return (self.entry, self.combine_entry)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 #: Modes of the softmax family: public function name -> (key tag, CUONLINE_SOFTMAX_MODE).
@@ -237,7 +257,7 @@ def _smem_stride(cols: int, itemsize: int) -> int:
 
 
 @dataclass(frozen=True)
-class MmaSpec:
+class MmaSpec(AttentionFeatures):
     """One variant of the tensor-core family ``attention_mma`` (``kernels_cu/attention_mma.cu``).
 
     Attributes
@@ -255,7 +275,7 @@ class MmaSpec:
         q, k and v rows are 16-byte aligned with unit column stride: cp.async copies them.
         False: an element-wise loader (any strides) fills the same shared-memory layout.
     window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
-        As in :class:`KernelSpec`.
+        Keyword-only: see :class:`AttentionFeatures`.
     """
 
     dtype: str
@@ -265,18 +285,9 @@ class MmaSpec:
     block_n: int
     stages: int
     cp_async: bool = True
-    window: bool = False
-    bias: bool = False
-    mask: bool = False
-    kv_lengths: bool = False
-    alibi: bool = False
-    softcap: bool = False
-    return_lse: bool = False
-    split: bool = False
 
     family = "attention_mma"
     entry = "cuonline_attention_mma"
-    combine_entry = "cuonline_attention_combine"
     headers = ("common.cuh", "tensor_core.cuh", "attention_block.cuh",
                "attention_combine.cuh")
 
@@ -324,10 +335,6 @@ class MmaSpec:
         return (self.block_m * qk + self.stages * self.block_n * (qk + vv)) * itemsize
 
     @property
-    def features(self) -> tuple:
-        return tuple(f for f in FEATURES if getattr(self, f))
-
-    @property
     def key(self) -> str:
         """Readable unique name, e.g. ``attention_mma_f16_d64_dv64_bm64_bn64_s2_window``."""
         tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
@@ -335,10 +342,7 @@ class MmaSpec:
                  f"bn{self.block_n}", f"s{self.stages}"]
         if not self.cp_async:
             parts.append("plainload")
-        parts.extend(self.features)
-        if self.split:
-            parts.append("split")
-        return "_".join(parts)
+        return "_".join(parts + self._flag_key())
 
     def defines(self) -> dict:
         """``#define`` name -> value, in a fixed order."""
@@ -352,15 +356,5 @@ class MmaSpec:
             "CUONLINE_STAGES": self.stages,
             "CUONLINE_CP_ASYNC": int(self.cp_async),
         }
-        for f in FEATURES:
-            name = "CUONLINE_RETURN_LSE" if f == "return_lse" else f"CUONLINE_HAS_{f.upper()}"
-            out[name] = int(getattr(self, f))
-        out["CUONLINE_SPLIT"] = int(self.split)
+        out.update(self._flag_defines())
         return out
-
-    def entries(self) -> tuple:
-        """Kernel symbols this variant defines."""
-        return (self.entry, self.combine_entry)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
