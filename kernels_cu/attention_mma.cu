@@ -131,7 +131,8 @@ template <class X> struct Ops;
 template <> struct Ops<__half> : Ops16<__half> {};
 template <> struct Ops<__nv_bfloat16> : Ops16<__nv_bfloat16> {};
 
-// tf32: float tiles in shared memory, rounded (cvt.rna) as fragments are built.
+// tf32: float tiles in shared memory. K and V are rounded to tf32 (cvt.rna) in the tile,
+// Q and P as their fragments are built.
 template <> struct Ops<float> {
     static constexpr int kK = 8;
     // K and V tiles are rounded to tf32 in shared memory once per tile (round_tile, by the

@@ -450,8 +450,9 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
     c.group = q.committed;
     std::memset(c.data, 0, 16);
     if (src_bytes > 0) std::memcpy(c.data, gmem_src, size_t(src_bytes));
-    static constexpr unsigned char kPoison16[16] = {
-        0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF};
+    static constexpr unsigned char kPoison16[16] = {0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
+                                                    0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
+                                                    0xFF, 0xFF, 0xFF, 0xFF};
     emu::store16(smem_dst, kPoison16);
     q.pending.push_back(c);
 #endif

@@ -428,7 +428,8 @@ inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
             t.state = kReady;
             t.sp = prepare_stack(t.stack_top, &t);
         }
-        // Warp order of this block: a rotation, reversed on every other pass over the warps.
+        // Warp order of this block: rotated by the block's index, and reversed in every other
+        // run of nw blocks.
         // Lanes of the running warp take turns (they meet at every collective); the warp runs
         // until none of its lanes can go on, i.e. all wait at __syncthreads or have exited.
         // The lane that completes a __syncthreads carries its warp into the next phase first.
