@@ -25,6 +25,13 @@
 //   states are merged by a warp butterfly, then across the row's warps through shared memory.
 //   Write: the same threads visit the same columns again (x is read twice; the second read of
 //   a row that fits in L2 mostly hits it).
+//
+// Long rows, few of them: one row per block group would leave most of the GPU idle, so the
+//   host may cut every row into gridDim.y segments of seg_len columns (blockIdx.y: the
+//   segment) and launch twice: cuonline_softmax_partial writes each segment's (m, l) to
+//   `partial` ((nrows, gridDim.y, 2), accumulation type), then cuonline_softmax_finish merges
+//   a row's partial states (every thread alike, in segment order) and writes its segment.
+//   cuonline_softmax is the single launch over whole rows.
 
 #ifndef CUONLINE_SOFTMAX_MODE
 #error "softmax.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
@@ -61,21 +68,19 @@ __device__ __forceinline__ Acc load(const T* __restrict__ x, const unsigned char
     return to_acc(x[x_off + j * x_col_stride]);
 }
 
-}  // namespace smx
-}  // namespace cuonline
-
-extern "C" __global__ void __launch_bounds__(cuonline::smx::kMaxThreads)
-cuonline_softmax(const CUONLINE_T* __restrict__ x,
-                 const unsigned char* __restrict__ mask,  // null without CUONLINE_HAS_MASK
-                 CUONLINE_T* __restrict__ out,
-                 const long long* __restrict__ layout,    // (row_ndim, 4), see above
-                 int row_ndim, long long nrows, long long n,  // nrows < 2^31
-                 long long x_col_stride, long long mask_col_stride, long long out_col_stride,
-                 int rows_per_block, CUONLINE_ACC scale)  // scale > 0 multiplies x
-{
-    using namespace cuonline;
-    using namespace cuonline::smx;
-
+// The rows of one launch; kPhase 0 (cuonline_softmax), 1 (cuonline_softmax_partial) or 2
+// (cuonline_softmax_finish), see "Long rows" above. A template, not a runtime flag: the
+// single-launch kernel keeps the registers it had before segments existed.
+template <int kPhase>
+__device__ __forceinline__ void softmax_rows(const T* __restrict__ x,
+                                             const unsigned char* __restrict__ mask,
+                                             T* __restrict__ out,
+                                             const long long* __restrict__ layout, int row_ndim,
+                                             long long nrows, long long n,
+                                             long long x_col_stride, long long mask_col_stride,
+                                             long long out_col_stride, int rows_per_block,
+                                             Acc scale, Acc* __restrict__ partial,
+                                             long long seg_len) {
     // one partial state per warp, for the merge across the warps of a row
     __shared__ Acc s_m[kMaxWarps];
     __shared__ Acc s_l[kMaxWarps];
@@ -90,13 +95,19 @@ cuonline_softmax(const CUONLINE_T* __restrict__ x,
     const long long chunk_step = (long long)kChunk * threads_per_row;
     const Acc scale_log2 = scale * log2e(Acc());
 
+    const int seg = blockIdx.y, nseg = gridDim.y;
+
     for (long long base = (long long)blockIdx.x * rows_per_block; base < nrows; base += row_step) {
         const long long row = base + warp / warps_per_row;
-        const long long n_row = row < nrows ? n : 0;  // a row past the end loads nothing
+        // this block's columns of the row, [j_lo, j_hi); a row past the end loads nothing
+        const long long j_lo = kPhase == 0 ? 0 : seg * seg_len;
+        const long long j_end = kPhase == 0 ? n : (j_lo + seg_len < n ? j_lo + seg_len : n);
+        const long long j_hi = row < nrows ? j_end : 0;
+        const long long n_row = j_hi;  // loads return -inf at and past it
 
         // ---- element offsets of the row
         long long x_off = 0, mask_off = 0, out_off = 0;
-        if (n_row > 0) {
+        if (row < nrows) {
             // 32-bit division: the host keeps nrows below 2^31 per launch. A 64-bit one is a
             // subroutine call in SASS, around which sm_90's ptxas spilled the float64 variants.
             unsigned rest = (unsigned)row;
@@ -112,41 +123,57 @@ cuonline_softmax(const CUONLINE_T* __restrict__ x,
             }
         }
 
-        // ---- statistics: running (m, l) per thread, one chunk at a time
         OnlineNormalizer<Acc> state;
         state.init();
-        for (long long j0 = tid; j0 < n_row; j0 += chunk_step) {
-            Acc v[kChunk];
-            Acc chunk_max = neg_inf(Acc());
+        if constexpr (kPhase == 2) {
+            // ---- the row's statistics from its segments' partial states, in segment order
+            if (row < nrows)
+                for (int y = 0; y < nseg; ++y)
+                    state.merge(partial[2 * (row * nseg + y)], partial[2 * (row * nseg + y) + 1],
+                                scale_log2);
+        } else {
+            // ---- statistics of columns [j_lo, j_hi): running (m, l) per thread, a chunk at a
+            //      time
+            for (long long j0 = j_lo + tid; j0 < n_row; j0 += chunk_step) {
+                Acc v[kChunk];
+                Acc chunk_max = neg_inf(Acc());
 #pragma unroll
-            for (int c = 0; c < kChunk; ++c) {
-                v[c] = load(x, mask, j0 + (long long)c * threads_per_row, n_row, x_off,
-                            x_col_stride, mask_off, mask_col_stride);
-                chunk_max = max_(chunk_max, v[c]);
+                for (int c = 0; c < kChunk; ++c) {
+                    v[c] = load(x, mask, j0 + (long long)c * threads_per_row, n_row, x_off,
+                                x_col_stride, mask_off, mask_col_stride);
+                    chunk_max = max_(chunk_max, v[c]);
+                }
+                const Acc m_use = state.rescale_to(chunk_max, scale_log2);
+#pragma unroll
+                for (int c = 0; c < kChunk; ++c) state.l += exp2_((v[c] - m_use) * scale_log2);
             }
-            const Acc m_use = state.rescale_to(chunk_max, scale_log2);
-#pragma unroll
-            for (int c = 0; c < kChunk; ++c) state.l += exp2_((v[c] - m_use) * scale_log2);
-        }
 
-        // ---- merge: lanes of a warp, then the warps of the row (the same order in every
-        //      thread, so all threads of the row hold bit-identical statistics)
-        state.warp_merge(scale_log2);
-        if (warps_per_row > 1) {  // the same for the whole block: the barriers are uniform
-            __syncthreads();      // the previous row's reads of s_m/s_l are done
-            if (lane == 0) {
-                s_m[warp] = state.m;
-                s_l[warp] = state.l;
+            // ---- merge: lanes of a warp, then the warps of the row (the same order in every
+            //      thread, so all threads of the row hold bit-identical statistics)
+            state.warp_merge(scale_log2);
+            if (warps_per_row > 1) {  // the same for the whole block: the barriers are uniform
+                __syncthreads();      // the previous row's reads of s_m/s_l are done
+                if (lane == 0) {
+                    s_m[warp] = state.m;
+                    s_l[warp] = state.l;
+                }
+                __syncthreads();
+                state.init();
+                for (int w = 0; w < warps_per_row; ++w)
+                    state.merge(s_m[first_warp + w], s_l[first_warp + w], scale_log2);
             }
-            __syncthreads();
-            state.init();
-            for (int w = 0; w < warps_per_row; ++w)
-                state.merge(s_m[first_warp + w], s_l[first_warp + w], scale_log2);
+        }
+        if constexpr (kPhase == 1) {  // this segment's state, for phase 2; no output yet
+            if (row < nrows && tid == 0) {
+                partial[2 * (row * nseg + seg)] = state.m;
+                partial[2 * (row * nseg + seg) + 1] = state.l;
+            }
+            continue;
         }
 
 #if CUONLINE_SOFTMAX_MODE == 2
         // ---- logsumexp: one value per row
-        if (n_row > 0 && tid == 0) out[out_off] = FromAcc<T>::cvt(state.lse(scale));
+        if (row < nrows && seg == 0 && tid == 0) out[out_off] = FromAcc<T>::cvt(state.lse(scale));
 #else
         // ---- write pass. An empty row (l == 0: all masked or -inf) gives 0 / -inf without
         //      forming (-inf) - (-inf); a NaN l (NaN or +inf in the row) reaches every value.
@@ -156,7 +183,7 @@ cuonline_softmax(const CUONLINE_T* __restrict__ x,
 #else
         const Acc log_l = empty ? Acc(0) : log2_(state.l) * ln2(Acc());
 #endif
-        for (long long j = tid; j < n_row; j += threads_per_row) {
+        for (long long j = j_lo + tid; j < n_row; j += threads_per_row) {
             const Acc v = load(x, mask, j, n_row, x_off, x_col_stride, mask_off, mask_col_stride);
 #if CUONLINE_SOFTMAX_MODE == 0
             const Acc y = empty ? Acc(0) : exp2_((v - state.m) * scale_log2) * inv_l;
@@ -168,4 +195,43 @@ cuonline_softmax(const CUONLINE_T* __restrict__ x,
         }
 #endif
     }
+}
+
+}  // namespace smx
+}  // namespace cuonline
+
+#define CUONLINE_SOFTMAX_PARAMS                                                               \
+    const CUONLINE_T* __restrict__ x,                                                        \
+        const unsigned char* __restrict__ mask, /* null without CUONLINE_HAS_MASK */         \
+        CUONLINE_T* __restrict__ out,                                                        \
+        const long long* __restrict__ layout, /* (row_ndim, 4), see above */                 \
+        int row_ndim, long long nrows, long long n, /* nrows < 2^31 */                       \
+        long long x_col_stride, long long mask_col_stride, long long out_col_stride,         \
+        int rows_per_block, CUONLINE_ACC scale /* > 0, multiplies x */
+#define CUONLINE_SOFTMAX_ARGS \
+    x, mask, out, layout, row_ndim, nrows, n, x_col_stride, mask_col_stride, out_col_stride, \
+        rows_per_block, scale
+
+// One launch: every row whole.
+extern "C" __global__ void __launch_bounds__(cuonline::smx::kMaxThreads)
+cuonline_softmax(CUONLINE_SOFTMAX_PARAMS) {
+    cuonline::smx::softmax_rows<0>(CUONLINE_SOFTMAX_ARGS, nullptr, n);
+}
+
+// Long rows, first launch: the (m, l) of every segment of seg_len columns into `partial`
+// ((nrows, gridDim.y, 2)). The host sizes their grid to about two blocks per SM (see
+// cuda_softmax.py), so "1 block per SM" costs no occupancy it would use, and lets ptxas take
+// the registers: under the default bounds sm_90's ptxas held the float64 variants at 48-64
+// registers and spilled.
+extern "C" __global__ void __launch_bounds__(cuonline::smx::kMaxThreads, 1)
+cuonline_softmax_partial(CUONLINE_SOFTMAX_PARAMS, CUONLINE_ACC* __restrict__ partial,
+                         long long seg_len) {
+    cuonline::smx::softmax_rows<1>(CUONLINE_SOFTMAX_ARGS, partial, seg_len);
+}
+
+// Long rows, second launch: merge each row's partial states and write its segment.
+extern "C" __global__ void __launch_bounds__(cuonline::smx::kMaxThreads, 1)
+cuonline_softmax_finish(CUONLINE_SOFTMAX_PARAMS, CUONLINE_ACC* __restrict__ partial,
+                        long long seg_len) {
+    cuonline::smx::softmax_rows<2>(CUONLINE_SOFTMAX_ARGS, partial, seg_len);
 }

@@ -145,6 +145,39 @@ def test_row_lengths_cover_every_block_shape():
 
 
 # --------------------------------------------------------------------------------------------
+# long rows, few of them: cut into segments (statistics per segment, then merge and write)
+
+
+def test_long_rows_are_cut_only_when_the_grid_would_be_too_small():
+    plan = cuda_softmax.plan_softmax
+    few = plan(np.float32, "softmax", False, 10**6, 2, num_sms=132)
+    assert few.segments == 61 and few.seg_len * few.segments >= 10**6   # 2 x 132 blocks
+    assert (few.segments - 1) * few.seg_len < 10**6                     # no empty segment
+    assert plan(np.float32, "softmax", False, 10**6, 10**4).segments == 1   # rows fill the GPU
+    assert plan(np.float32, "softmax", False, 30000, 2).segments == 1       # too short to cut
+    assert plan(np.float32, "softmax", False, 10**9, 1).segments == 264
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_segmented_rows_match_the_oracle(backend, mode):
+    """Rows cut into 5 segments of 820 columns (3 rows of 4097, 8 SMs): masked and -inf
+    columns, a segment with nothing visible, a fully masked row."""
+    x = data((3, 4097), seed=5)
+    x[0, 820:1640] = -np.inf                # segment 1 of row 0 sees only -inf
+    mask = np.ones(x.shape, bool)
+    mask[1, ::3] = False
+    mask[2] = False                         # nothing visible: 0 / -inf
+    seams = dict(min_segment=700, num_sms=8)
+    plan = cuda_softmax.plan_softmax(np.float32, mode, True, 4097, 3, num_sms=8,
+                                     min_segment=700)
+    assert plan.segments == 5 and plan.seg_len == 820
+    for m in (None, mask):
+        got = run_seam(backend, mode, x, -1, m, **seams)
+        assert_matches(got, oracle(mode, x, -1, m), x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # axes and views: the kernel reads x through its strides (no copy)
 
 
@@ -385,7 +418,7 @@ print("DONE", float(np.abs(out.sum(axis=1) - 1).max()))
 """
 # Without it, a warp can overwrite its s_m/s_l slot for the next row while another warp of the
 # block still merges the previous row's.
-_FIRST_BARRIER = "            __syncthreads();      // the previous row's reads of s_m/s_l are done\n"
+_FIRST_BARRIER = "                __syncthreads();      // the previous row's reads of s_m/s_l are done\n"
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["correct", "no_first_barrier"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _semantics
+from ..kernels.heuristics import DEFAULT_NUM_SMS
 from ..kernels.specs import SoftmaxSpec
 from . import cuda
 
@@ -32,6 +33,12 @@ MAX_ROWS_PER_LAUNCH = 2**31 - 1
 #: Grid cap: far more than the resident blocks of any GPU (132 SMs x 8 blocks of 256 threads);
 #: the kernel's row loop covers the rest.
 MAX_BLOCKS = 65535
+#: Long rows, few of them: rows are cut into segments of at least this many columns (the
+#: second launch and the partial states cost more below) until the grid has BLOCKS_PER_SM
+#: blocks per SM, at most MAX_SEGMENTS per row.
+MIN_SEGMENT = 16384
+BLOCKS_PER_SM = 2
+MAX_SEGMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,22 @@ class SoftmaxPlan:
     spec: SoftmaxSpec
     warps_per_row: int
     rows_per_block: int
-    grid: tuple
+    grid: tuple              # (row blocks, segments per row, 1)
     block: tuple
+    seg_len: int             # columns per segment (n when rows are not cut)
+
+    @property
+    def segments(self) -> int:
+        return self.grid[1]
 
 
-def plan_softmax(dtype, mode, has_mask, n, nrows, *, max_blocks=MAX_BLOCKS):
-    """Plan a launch over ``nrows`` rows of ``n`` columns; a pure function of the shapes."""
+def plan_softmax(dtype, mode, has_mask, n, nrows, *, max_blocks=MAX_BLOCKS,
+                 num_sms=DEFAULT_NUM_SMS, min_segment=MIN_SEGMENT):
+    """Plan a launch over ``nrows`` rows of ``n`` columns; a pure function of the shapes.
+
+    Rows are cut into segments (two launches, see softmax.cu) when they are long and too few
+    to give every SM ``BLOCKS_PER_SM`` blocks.
+    """
     dtype = np.dtype(dtype)
     spec = SoftmaxSpec(dtype=dtype.name, acc=_semantics.accumulation_dtype(dtype).name,
                        mode=mode, mask=bool(has_mask))
@@ -57,13 +74,21 @@ def plan_softmax(dtype, mode, has_mask, n, nrows, *, max_blocks=MAX_BLOCKS):
     while warps < MAX_WARPS_PER_ROW and n > COLUMNS_PER_LANE * WARP * warps:
         warps *= 2
     rows_per_block = MAX_WARPS_PER_ROW // warps
-    blocks = max(1, min(math.ceil(nrows / rows_per_block), max_blocks))
+    row_blocks = math.ceil(nrows / rows_per_block)
+    blocks = max(1, min(row_blocks, max_blocks))
+    segments = 1
+    if row_blocks < BLOCKS_PER_SM * num_sms and n >= 2 * min_segment:
+        segments = min(n // min_segment, math.ceil(BLOCKS_PER_SM * num_sms / row_blocks),
+                       MAX_SEGMENTS)
+    seg_len = math.ceil(n / segments)
     return SoftmaxPlan(spec=spec, warps_per_row=warps, rows_per_block=rows_per_block,
-                       grid=(blocks, 1, 1), block=(BLOCK_THREADS, 1, 1))
+                       grid=(blocks, math.ceil(n / seg_len), 1), block=(BLOCK_THREADS, 1, 1),
+                       seg_len=seg_len)
 
 
 def run(mode, x, axis, mask, *, backend, keepdims=False, scale=1.0, max_blocks=MAX_BLOCKS,
-        max_rows_per_launch=MAX_ROWS_PER_LAUNCH, kernel_sources=None, emulate_options=None):
+        max_rows_per_launch=MAX_ROWS_PER_LAUNCH, min_segment=MIN_SEGMENT, num_sms=None,
+        kernel_sources=None, emulate_options=None):
     """``mode`` ("softmax", "log_softmax", "logsumexp") of ``x`` along ``axis``.
 
     ``x`` and ``mask`` come from :func:`cuonline._validate.validate_axis_input` (``axis``
@@ -71,7 +96,8 @@ def run(mode, x, axis, mask, *, backend, keepdims=False, scale=1.0, max_blocks=M
     dtype of ``x``: ``x.shape`` for softmax/log_softmax, ``x.shape`` without ``axis`` (kept with
     length 1 if ``keepdims``) for logsumexp. The other keywords are seams for tests: ``scale``
     (> 0) multiplies ``x``; ``max_blocks`` and ``max_rows_per_launch`` force the kernel's row
-    loop and the host's row chunking; ``kernel_sources`` and ``emulate_options`` as in
+    loop and the host's row chunking; ``min_segment`` and ``num_sms`` steer the cutting of long
+    rows (see :func:`plan_softmax`); ``kernel_sources`` and ``emulate_options`` as in
     :func:`cuonline.engines.cuda.attention`.
     """
     if backend not in ("cupy", "emulate"):
@@ -93,23 +119,34 @@ def run(mode, x, axis, mask, *, backend, keepdims=False, scale=1.0, max_blocks=M
         xv = xp.moveaxis(x, axis, -1)
         mv = None if mask is None else xp.moveaxis(mask, axis, -1)
         ov = xp.moveaxis(out, axis, -1)
-        kernel = None
+        if num_sms is None:
+            num_sms = cuda._num_sms() if backend == "cupy" else DEFAULT_NUM_SMS
+        module = None
         for index in _row_chunks(xv.shape, max_rows_per_launch):
             sub_x, sub_o = xv[index], ov[index]
             sub_m = None if mv is None else mv[index]
-            plan = plan_softmax(x.dtype, mode, mask is not None, n,
-                                math.prod(sub_x.shape[:-1]), max_blocks=max_blocks)
-            if kernel is None:  # the variant is the same for every chunk
+            nrows = math.prod(sub_x.shape[:-1])
+            plan = plan_softmax(x.dtype, mode, mask is not None, n, nrows,
+                                max_blocks=max_blocks, num_sms=num_sms, min_segment=min_segment)
+            if module is None:  # the variant is the same for every chunk
                 module = cuda._module(plan.spec, backend, kernel_sources, emulate_options)
-                kernel = module.get_function(plan.spec.entry)
-            kernel(plan.grid, plan.block, kernel_arguments(xp, sub_x, sub_m, sub_o, plan, scale))
+            args = kernel_arguments(xp, sub_x, sub_m, sub_o, plan, scale)
+            if plan.segments == 1:
+                module.get_function(plan.spec.entry)(plan.grid, plan.block, args)
+            else:  # statistics per segment, then merge and write (see softmax.cu)
+                partial = xp.empty(2 * nrows * plan.segments,
+                                   dtype=_semantics.accumulation_dtype(x.dtype))
+                for entry in plan.spec.segment_entries:
+                    module.get_function(entry)(plan.grid, plan.block,
+                                               args + (partial, np.int64(plan.seg_len)))
     if mode == "logsumexp" and not keepdims:
         out = out.squeeze(axis)
     return out
 
 
 def kernel_arguments(xp, x, mask, out, plan, scale):
-    """The argument tuple of ``cuonline_softmax``, in signature order, explicitly typed.
+    """The argument tuple of ``cuonline_softmax``, in signature order, explicitly typed (the
+    two segment kernels take the workspace and the segment length after it).
 
     ``x``, ``mask`` (or None) and ``out`` are views of one shape ``rows_shape + (n,)``.
     """

@@ -198,6 +198,8 @@ class SoftmaxSpec:
 
     family = "softmax"
     entry = "cuonline_softmax"
+    #: Long rows cut into segments: statistics per segment, then merge and write.
+    segment_entries = ("cuonline_softmax_partial", "cuonline_softmax_finish")
     #: Largest block (``__launch_bounds__`` in softmax.cu).
     threads = 256
     #: No dynamic shared memory (the per-warp states are static).
@@ -230,7 +232,7 @@ class SoftmaxSpec:
 
     def entries(self) -> tuple:
         """Kernel symbols this variant defines."""
-        return (self.entry,)
+        return (self.entry,) + self.segment_entries
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
