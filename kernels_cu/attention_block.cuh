@@ -51,6 +51,25 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk,
     return r;
 }
 
+// The parameters of both attention kernels, in the order cuonline/engines/cuda.py passes
+// them (one argument tuple serves either family); OutT is the family's output element type
+// (T, or Acc for the per-split partial outputs).
+#define CUONLINE_ATTENTION_PARAMS(OutT)                                                        \
+    const CUONLINE_T* __restrict__ q,             /* per batch: (lq, D) */                    \
+        const CUONLINE_T* __restrict__ k,         /* per batch: (lk, D) */                    \
+        const CUONLINE_T* __restrict__ v,         /* per batch: (lk, Dv) */                   \
+        const CUONLINE_ACC* __restrict__ bias,    /* per batch: (lq, lk) or null */           \
+        const unsigned char* __restrict__ mask,   /* per batch: (lq, lk) or null */           \
+        const long long* __restrict__ kv_lengths, /* (nbatch,) or null */                     \
+        const CUONLINE_ACC* __restrict__ alibi,   /* (nbatch,) or null */                     \
+        OutT* __restrict__ out,                   /* ([nsplit,] nbatch, lq, Dv) */            \
+        CUONLINE_ACC* __restrict__ lse,           /* ([nsplit,] nbatch, lq) or null */        \
+        const long long* __restrict__ offsets,    /* (nbatch, 5) */                           \
+        const long long* __restrict__ strides,    /* (5, 2) */                                \
+        int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,                             \
+        long long window_left, long long window_right, /* >= 2^60: unbounded */              \
+        long long split_keys                           /* keys per grid.z slice */
+
 // Raw score q·k -> the score in log2 units (the kernels' exp2 domain): scaled, or soft-capped
 // (cap tanh(scale q·k / cap)), plus the additive bias, minus the ALiBi penalty. The constants
 // are folded once per block (the ALiBi slope is the batch element's).

@@ -82,20 +82,7 @@ __device__ __forceinline__ void load_kv_tile(Acc* sKV, const T* base, long long 
 }  // namespace cuonline
 
 extern "C" __global__ void __launch_bounds__(cuonline::fwd::kThreads)
-cuonline_attention_fwd(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
-                       const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
-                       const CUONLINE_T* __restrict__ v,          // per batch: (lk, Dv)
-                       const CUONLINE_ACC* __restrict__ bias,     // per batch: (lq, lk) or null
-                       const unsigned char* __restrict__ mask,    // per batch: (lq, lk) or null
-                       const long long* __restrict__ kv_lengths,  // (nbatch,) or null
-                       const CUONLINE_ACC* __restrict__ alibi,    // (nbatch,) or null
-                       cuonline::fwd::OutT* __restrict__ out,     // ([nsplit,] nbatch, lq, Dv)
-                       CUONLINE_ACC* __restrict__ lse,            // ([nsplit,] nbatch, lq) or null
-                       const long long* __restrict__ offsets,     // (nbatch, 5)
-                       const long long* __restrict__ strides,     // (5, 2)
-                       int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,
-                       long long window_left, long long window_right,  // >= 2^60: unbounded
-                       long long split_keys)                           // keys per grid.z slice
+cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
 {
     using namespace cuonline;
     using namespace cuonline::fwd;

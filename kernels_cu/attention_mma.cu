@@ -20,7 +20,7 @@
 //   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
 //   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1 (as in attention_fwd.cu)
 //
-// Work decomposition (the arguments are those of attention_fwd.cu, in the same order)
+// Work decomposition (the arguments: CUONLINE_ATTENTION_PARAMS in attention_block.cuh)
 //   grid.x = nbatch * n_query_tiles, grid.z = key splits; block = kWarps warps.
 //   Every product is a sequence of 16x8 output tiles: a warp multiplies its 16 query rows by 8
 //   keys (scores) or 8 output columns (P·V). The accumulator of a 16x8 tile is 4 values per
@@ -335,20 +335,7 @@ __device__ __forceinline__ void round_tile(T* s) {
 // blocks of 128 threads per SM) and spilled (f16, D = 64, kv_lengths); with it they take ~150
 // and 3 blocks fit. Whether the spill-free variant is also the faster one is for a GPU to say.
 extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads, 1)
-cuonline_attention_mma(const CUONLINE_T* __restrict__ q,          // per batch: (lq, D)
-                       const CUONLINE_T* __restrict__ k,          // per batch: (lk, D)
-                       const CUONLINE_T* __restrict__ v,          // per batch: (lk, Dv)
-                       const CUONLINE_ACC* __restrict__ bias,     // per batch: (lq, lk) or null
-                       const unsigned char* __restrict__ mask,    // per batch: (lq, lk) or null
-                       const long long* __restrict__ kv_lengths,  // (nbatch,) or null
-                       const CUONLINE_ACC* __restrict__ alibi,    // (nbatch,) or null
-                       cuonline::mma::OutT* __restrict__ out,     // ([nsplit,] nbatch, lq, Dv)
-                       CUONLINE_ACC* __restrict__ lse,            // ([nsplit,] nbatch, lq) or null
-                       const long long* __restrict__ offsets,     // (nbatch, 5)
-                       const long long* __restrict__ strides,     // (5, 2)
-                       int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,
-                       long long window_left, long long window_right,  // >= 2^60: unbounded
-                       long long split_keys)                           // keys per grid.z slice
+cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 {
     using namespace cuonline;
     using namespace cuonline::mma;

@@ -60,6 +60,21 @@ class AttentionFeatures:
         """The end of the key: the features, then ``split``."""
         return list(self.features) + (["split"] if self.split else [])
 
+    def defines(self) -> dict:
+        """``#define`` name -> value, in a fixed order: element and accumulation types, head
+        dims and warps (fields every attention spec has), the family's tile parameters, then
+        the flags."""
+        out = {
+            "CUONLINE_T": _C_TYPES[self.dtype],
+            "CUONLINE_ACC": _C_TYPES[self.acc],
+            "CUONLINE_D": self.d,
+            "CUONLINE_DV": self.dv,
+            "CUONLINE_WARPS": self.warps,
+        }
+        out.update(self._tile_defines())
+        out.update(self._flag_defines())
+        return out
+
     def _flag_defines(self) -> dict:
         out = {}
         for f in FEATURES:
@@ -154,19 +169,9 @@ class KernelSpec(AttentionFeatures):
             parts.append(f"acc{dtype_tag(self.acc)}")
         return "_".join(parts + self._flag_key())
 
-    def defines(self) -> dict:
-        """``#define`` name -> value, in a fixed order."""
-        out = {
-            "CUONLINE_T": _C_TYPES[self.dtype],
-            "CUONLINE_ACC": _C_TYPES[self.acc],
-            "CUONLINE_D": self.d,
-            "CUONLINE_DV": self.dv,
-            "CUONLINE_WARPS": self.warps,
-            "CUONLINE_ROWS_PER_WARP": self.rows_per_warp,
-            "CUONLINE_KEYS_PER_LANE": self.keys_per_lane,
-        }
-        out.update(self._flag_defines())
-        return out
+    def _tile_defines(self) -> dict:
+        return {"CUONLINE_ROWS_PER_WARP": self.rows_per_warp,
+                "CUONLINE_KEYS_PER_LANE": self.keys_per_lane}
 
 
 #: Modes of the softmax family: public function name -> (key tag, CUONLINE_SOFTMAX_MODE).
@@ -346,17 +351,6 @@ class MmaSpec(AttentionFeatures):
             parts.append("plainload")
         return "_".join(parts + self._flag_key())
 
-    def defines(self) -> dict:
-        """``#define`` name -> value, in a fixed order."""
-        out = {
-            "CUONLINE_T": _C_TYPES[self.dtype],
-            "CUONLINE_ACC": _C_TYPES[self.acc],
-            "CUONLINE_D": self.d,
-            "CUONLINE_DV": self.dv,
-            "CUONLINE_WARPS": self.warps,
-            "CUONLINE_BLOCK_N": self.block_n,
-            "CUONLINE_STAGES": self.stages,
-            "CUONLINE_CP_ASYNC": int(self.cp_async),
-        }
-        out.update(self._flag_defines())
-        return out
+    def _tile_defines(self) -> dict:
+        return {"CUONLINE_BLOCK_N": self.block_n, "CUONLINE_STAGES": self.stages,
+                "CUONLINE_CP_ASYNC": int(self.cp_async)}
