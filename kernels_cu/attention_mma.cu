@@ -266,29 +266,37 @@ typedef Acc OutT;  // partial, normalised out per split (workspace), merged by t
 typedef T OutT;
 #endif
 
-// The 16-byte chunks of a (kRows, kPadCols) tile that this thread moves, as f(r, col). When the
-// block's threads cover whole rows of chunks (kThreads % kRowChunks == 0, every shipped tile)
-// each thread keeps one chunk column and steps down the rows, so its column and its address
-// strides are worked out once per tile, not per chunk.
-template <int kRows, int kPadCols, class F>
-__device__ __forceinline__ void for_own_chunks(F&& f) {
-    constexpr int kRowChunks = kPadCols / kChunk;
-    if constexpr (kThreads % kRowChunks == 0) {
-        constexpr int kRowStep = kThreads / kRowChunks;
-        const int col = int(threadIdx.x) % kRowChunks * kChunk;
-        const int r_first = int(threadIdx.x) / kRowChunks;
-#pragma unroll 2  // full unrolls cost registers (spills in 32-row single-warp tiles)
-        for (int k = 0; k < (kRows + kRowStep - 1) / kRowStep; ++k) {
-            const int r = r_first + k * kRowStep;
-            if (kRows % kRowStep == 0 || r < kRows) f(r, col);
-        }
-    } else {
-        for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
-            const int r = idx / kRowChunks;
-            f(r, (idx - r * kRowChunks) * kChunk);
+// The 16-byte chunks of a (kRows, kPadCols) tile that this thread moves. When the block's
+// threads cover whole rows of chunks (kThreads % kRowChunks == 0: every power-of-two width),
+// each thread keeps one chunk column and steps down the rows kRowStep at a time: its column,
+// its first shared-memory offset and its global address are worked out once per tile, and each
+// further chunk is one constant step away in both (fully unrolled; see load_tile).
+template <int kRows, int kPadCols>
+struct OwnChunks {
+    static constexpr int kRowChunks = kPadCols / kChunk;
+    static constexpr bool kOneColumn = kThreads % kRowChunks == 0;
+    static constexpr int kRowStep = kOneColumn ? kThreads / kRowChunks : 1;
+    static constexpr int kSteps = (kRows + kRowStep - 1) / kRowStep;  // kOneColumn only
+
+    // f(r, col) for every chunk (r, col) of this thread
+    template <class F>
+    __device__ __forceinline__ static void for_each(F&& f) {
+        if constexpr (kOneColumn) {
+            const int col = int(threadIdx.x) % kRowChunks * kChunk;
+            const int r_first = int(threadIdx.x) / kRowChunks;
+#pragma unroll
+            for (int k = 0; k < kSteps; ++k) {
+                const int r = r_first + k * kRowStep;
+                if (kRows % kRowStep == 0 || r < kRows) f(r, col);
+            }
+        } else {
+            for (int idx = threadIdx.x; idx < kRows * kRowChunks; idx += kThreads) {
+                const int r = idx / kRowChunks;
+                f(r, (idx - r * kRowChunks) * kChunk);
+            }
         }
     }
-}
+};
 
 // Stage rows [r0, r0 + kRows) x columns [0, kCols) of a (rows, cols) operand into a tile of
 // layout L whose padded width is L's; rows at or past row_end and columns past kCols are zero
@@ -297,31 +305,62 @@ __device__ __forceinline__ void for_own_chunks(F&& f) {
 template <class L, int kRows, int kCols, int kPadCols>
 __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_stride,
                                           long long col_stride, long long r0, long long row_end) {
+    typedef OwnChunks<kRows, kPadCols> Own;
     // rows of the tile that exist in the operand, in [0, kRows]
     const long long left = row_end - r0;
     const int rows = left <= 0 ? 0 : (left >= kRows ? kRows : int(left));
     const T* tile = base + r0 * row_stride;
-    for_own_chunks<kRows, kPadCols>([&](int r, int col) {
+#if CUONLINE_CP_ASYNC
+    (void)col_stride;
+    if constexpr (Own::kOneColumn) {
+        // The lean path of every shipped power-of-two width: per chunk, one 64-bit pointer step,
+        // a row test and the copy. The swizzle repeats every 8 rows, so when kRowStep is a
+        // multiple of 8 the shared offsets are compile-time steps from the first one.
+        const int col = int(threadIdx.x) % Own::kRowChunks * kChunk;
+        const int r_first = int(threadIdx.x) / Own::kRowChunks;
+        // bytes of this thread's column that lie inside kCols (16 unless D is padded)
+        int col_bytes = 16;
+        if constexpr (kCols < kPadCols) {
+            col_bytes = (kCols - col) * int(sizeof(T));
+            col_bytes = col_bytes < 0 ? 0 : (col_bytes > 16 ? 16 : col_bytes);
+        }
+        // A chunk past `rows` copies 0 bytes and zero-fills: its address is formed, never read
+        // (cp.async with src-size 0).
+        const T* src = tile + r_first * row_stride + col;
+        const long long src_step = Own::kRowStep * row_stride;
+        T* const dst = s + L::offset(r_first, col);
+#pragma unroll
+        for (int k = 0; k < Own::kSteps; ++k, src += src_step) {
+            const int r = r_first + k * Own::kRowStep;
+            if (kRows % Own::kRowStep != 0 && r >= kRows) break;
+            T* d = Own::kRowStep % 8 == 0 ? dst + k * Own::kRowStep * L::kStride
+                                          : s + L::offset(r, col);
+            cp_async_16(d, src, r < rows ? col_bytes : 0);
+        }
+    } else {
+        Own::for_each([&](int r, int col) {
+            int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
+            bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+            cp_async_16(s + L::offset(r, col), bytes > 0 ? tile + r * row_stride + col : base,
+                        bytes);
+        });
+    }
+#else
+    Own::for_each([&](int r, int col) {
         T* dst = s + L::offset(r, col);
         const T* src = tile + r * row_stride + col * col_stride;
-#if CUONLINE_CP_ASYNC
-        (void)col_stride;
-        int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
-        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-        cp_async_16(dst, bytes > 0 ? src : base, bytes);
-#else
 #pragma unroll
         for (int e = 0; e < kChunk; ++e)
             dst[e] = r < rows && col + e < kCols ? src[e * col_stride] : FromAcc<T>::cvt(0.0f);
-#endif
     });
+#endif
 }
 
 // tf32 (Ops<float>::kRoundTiles): round this thread's chunks of a staged tile in place. Called
 // after this thread's copies landed and before the barrier that hands the tile to all warps.
 template <class L, int kRows, int kPadCols>
 __device__ __forceinline__ void round_tile(T* s) {
-    for_own_chunks<kRows, kPadCols>([&](int r, int col) {
+    OwnChunks<kRows, kPadCols>::for_each([&](int r, int col) {
         T* chunk = s + L::offset(r, col);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) chunk[e] = __uint_as_float(to_tf32(chunk[e]));
