@@ -10,9 +10,10 @@ For each dtype (float16, float32, float64), head dimension (64, 128), length N (
 * ``cuonline``: ``cuonline.attention`` on CuPy arrays (our kernels: tensor cores for float16
   and float64, exact SIMT float32);
 * ``cuonline-tf32``: float32 only, ``precision="tf32"`` (TF32 tensor cores);
-* ``cuonline-8w``: float16 only, the tensor-core kernel forced to 8 warps (128 query rows per
-  block, half the K/V traffic per query of the built-in 4 warps; FlashAttention-2's block
-  height) through the engine's ``tuned`` seam: data for the tile table;
+* ``cuonline-mt``: float16 only, the tensor-core kernel with the other number of 16-row query
+  tiles per warp than the built-in table's (``OTHER_M_TILES``, forced through the engine's
+  ``tuned`` seam): one at D = 64 (4 warps, 64-key tiles, the built-in choice before two
+  query tiles per warp), two at D = 128 (4 warps, 32-key tiles). Data for the tile table;
 * ``naive-cupy``: ``softmax(q k^T * scale) v`` in CuPy with the scores materialised, same dtype;
 * ``torch-<backend>``: ``scaled_dot_product_attention`` restricted to each SDPA backend (flash,
   efficient, cudnn, math) that accepts the case.
@@ -36,6 +37,9 @@ import numpy as np
 
 TOKENS = 65536   # batch*heads*N is held constant so every N costs about the same memory
 CHECK_ROWS = 64  # query rows checked against the float64 reference
+#: float16 tiles (warps, block_n, stages, m_tiles) of the ``cuonline-mt`` column, per D: the
+#: other number of query tiles per warp than heuristics.MMA_TILES takes
+OTHER_M_TILES = {64: (4, 64, 2, 1), 128: (4, 32, 2, 2)}
 
 
 def flops(n, d, bh, causal):
@@ -93,7 +97,7 @@ def torch_backends():
 
 def forced_tiles(q, k, v, causal, tiles):
     """A callable running the CUDA engine with the tensor-core tiles ``(warps, block_n,
-    stages)`` forced, validated once (the public API validates on every call)."""
+    stages, m_tiles)`` forced, validated once (the public API validates on every call)."""
     from cuonline._validate import validate_attention
     from cuonline.engines import cuda
     from cuonline.kernels import heuristics
@@ -153,7 +157,7 @@ def run(args, out):
             engines["cuonline-tf32"] = lambda: cuonline.attention(q, k, v, causal=causal,
                                                                   precision="tf32")
         if dtype == "float16":
-            engines["cuonline-8w"] = forced_tiles(q, k, v, causal, (8, 64, 2))
+            engines["cuonline-mt"] = forced_tiles(q, k, v, causal, OTHER_M_TILES[d])
         if torch_fns:
             tq, tk, tv = (torch.from_dlpack(x)[None] for x in (q, k, v))   # (1, bh, n, d)
             for name, fn in torch_fns.items():

@@ -5,13 +5,18 @@
 Compiles the main tensor-core variants with NVRTC, disassembles them with nvdisasm
 (pip install "nvidia-cuda-nvdisasm==13.*") and prints, for the loop over key tiles: the
 instructions in its body, the mma instructions among them, instructions per mma, the integer
-(address and index) share, and the registers ptxas gave the kernel. ``--against REV`` compiles
-the kernel files of git revision REV in the same run, for a before/after table.
+(address and index) share, ldmatrix instructions per mma, and the registers ptxas gave the
+kernel. ``--against REV`` compiles the kernel files of git revision REV in the same run, for a
+before/after table.
 
 The counts are static (see cuonline/kernels/sass.py): a proxy for the issue slots one key tile
 costs a warp. On an H100/H200 a warp issues one instruction per cycle and an m16n8k16 HMMA
 occupies its tensor core for several, so a loop far above a few instructions per mma is bound
-by issue, not by the tensor cores. Speed itself is measured by gpu_check.sh on a GPU.
+by issue, not by the tensor cores. Each ldmatrix.x4 reads 512 bytes of shared memory, which an
+SM delivers at 128 bytes a clock: ldmatrix per mma is the shared-bandwidth side. The static
+count takes both branches of the loop (interior and boundary tiles) once, and inner loops once
+(the tile loads are fully unrolled since 92b7c6e, so they count per chunk). Speed itself is
+measured by gpu_check.sh on a GPU.
 """
 
 from __future__ import annotations
@@ -30,13 +35,17 @@ KERNEL_FILES = ("attention_mma.cu", "common.cuh", "tensor_core.cuh", "attention_
 
 #: (label, spec): the tiles the heuristics ship for sm_90 at each dtype's common head sizes.
 VARIANTS = [
-    ("f16 d64", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)),
+    ("f16 d64", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=32, stages=2,
+                        m_tiles=2)),
+    ("f16 d64 mt1", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)),
     ("f16 d128", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2)),
     ("bf16 d128 lse", MmaSpec(dtype="bfloat16", d=128, dv=128, warps=4, block_n=64,
                               stages=2, return_lse=True)),
     ("f16 d128 mask", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2,
                               mask=True)),
-    ("tf32 d64", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2)),
+    ("tf32 d64", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2,
+                         m_tiles=2)),
+    ("tf32 d64 mt1", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2)),
     ("f64 d64", MmaSpec(dtype="float64", d=64, dv=64, warps=4, block_n=16, stages=2)),
     ("f64 d128", MmaSpec(dtype="float64", d=128, dv=128, warps=2, block_n=16, stages=1)),
 ]
@@ -71,8 +80,11 @@ def main(argv=None):
         row = {"variant": label, "key": spec.key, "arch": args.arch}
         now = sass.variant_mix(spec, args.arch)
         row.update(registers=now.registers, loop=now.instructions, mma=now.mma,
-                   per_mma=round(now.per_mma, 2), integer=now.integer)
-        if before is not None:
+                   per_mma=round(now.per_mma, 2), integer=now.integer,
+                   ldsm_per_mma=round(now.opcodes.get("LDSM", 0) / now.mma, 3))
+        # a revision without CUONLINE_M_TILES would compile one query tile per warp
+        if before is not None and (spec.m_tiles == 1
+                                   or "CUONLINE_M_TILES" in before["attention_mma.cu"]):
             then = sass.variant_mix(spec, args.arch, overrides=before)
             row.update(before_registers=then.registers, before_loop=then.instructions,
                        before_per_mma=round(then.per_mma, 2), before_integer=then.integer)
@@ -86,7 +98,7 @@ def main(argv=None):
 def line(row):
     text = (f"{row['variant']:28s} {row['arch']}  regs {row['registers']:3d}  loop "
             f"{row['loop']:5d}  mma {row['mma']:4d}  per mma {row['per_mma']:5.2f}  integer "
-            f"{row['integer']:4d}")
+            f"{row['integer']:4d}  ldsm/mma {row['ldsm_per_mma']:5.3f}")
     if "before_loop" in row:
         text += (f"  | before: regs {row['before_registers']:3d}  loop {row['before_loop']:5d}"
                  f"  per mma {row['before_per_mma']:5.2f}  integer {row['before_integer']:4d}")

@@ -10,7 +10,10 @@
 //   CUONLINE_D, CUONLINE_DV      head dims of q/k and of v (may differ); padded in shared memory
 //                                to kDp (a multiple of the mma k) and kDvp (a multiple of 16),
 //                                the padding zero-filled
-//   CUONLINE_WARPS               warps per block; warp w owns query rows [16 w, 16 w + 16)
+//   CUONLINE_WARPS               warps per block
+//   CUONLINE_M_TILES             16-row query tiles per warp (1 or 2): warp w owns query rows
+//                                [16 kMt w, 16 kMt (w + 1)); with 2, every K and V fragment a
+//                                warp loads from shared memory feeds twice the mmas
 //   CUONLINE_BLOCK_N             keys per tile (a multiple of 16)
 //   CUONLINE_STAGES              K/V tiles in flight (1: load then compute; 2: tile j+1 loads
 //                                while tile j computes)
@@ -234,7 +237,8 @@ constexpr int kD = CUONLINE_D;
 constexpr int kDv = CUONLINE_DV;
 constexpr int kWarps = CUONLINE_WARPS;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kBlockM = 16 * kWarps;
+constexpr int kMt = CUONLINE_M_TILES;
+constexpr int kBlockM = 16 * kMt * kWarps;
 constexpr int kBlockN = CUONLINE_BLOCK_N;
 constexpr int kStages = CUONLINE_STAGES;
 constexpr int kDp = round_up(kD, Op::kK);   // Q·K^T reduction length, zero-padded
@@ -245,10 +249,12 @@ constexpr int kKs = kDp / Op::kK;           // k-steps of Q·K^T
 constexpr int kKv = kBlockN / Op::kK;       // k-steps of P·V
 static_assert(kBlockN % 16 == 0, "key tiles are pairs of 8-key n-tiles");
 static_assert(kStages == 1 || kStages == 2, "one or two K/V stages");
-// Q fragments stay in registers when they are small (32 words at most: f16 D <= 128); larger
-// heads re-read them from sQ each tile rather than spill.
+static_assert(kMt == 1 || kMt == 2, "one or two 16-row query tiles per warp");
+// Q fragments stay in registers when they are small (32 words at most: f16 D <= 128 with one
+// query tile per warp, D <= 64 with two); larger ones are re-read from sQ each tile rather
+// than spill.
 constexpr int kAFragWords = int(sizeof(typename Op::AFrag) / 4);
-constexpr bool kQInRegs = kKs * kAFragWords <= 32;
+constexpr bool kQInRegs = kMt * kKs * kAFragWords <= 32;
 
 typedef SmemTile<kDp, int(sizeof(T))> LQK;   // layout of sQ and of each sK stage
 typedef SmemTile<kDvp, int(sizeof(T))> LV;   // layout of each sV stage
@@ -401,12 +407,15 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 
     const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in log2 units
 
-    // Lane's rows: i0 + 16 warp + g (h = 0) and + 8 (h = 1). state[h].o[2 nv + c] is output
-    // column 8 nv + 2t + c of row h: the C layout of n-tile nv, split by row.
-    const long long row0 = i0 + 16 * warp + g;
-    SoftmaxState<Acc, 2 * kNv> state[2];
-    state[0].init();
-    state[1].init();
+    // Lane's rows: slot r = 2 mt + h is row row0 + 8 r (query tile mt, h = 0: row g, h = 1:
+    // row g + 8). state[r].o[2 nv + c] is output column 8 nv + 2t + c of slot r: the C layout
+    // of n-tile nv, split by row.
+    constexpr int kSlots = 2 * kMt;
+    const int warp_row = 16 * kMt * warp;  // the warp's first row in the block
+    const long long row0 = i0 + warp_row + g;
+    SoftmaxState<Acc, 2 * kNv> state[kSlots];
+#pragma unroll
+    for (int r = 0; r < kSlots; ++r) state[r].init();
 
     if (j_lo < j_hi) {
         const long long tile_first = j_lo / kBlockN;
@@ -427,13 +436,15 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
             cp_async_commit();  // empty groups keep the group count uniform
         }
 
-        typename Op::AFrag qf[kQInRegs ? kKs : 1];
+        typename Op::AFrag qf[kMt][kKs];  // used (and kept in registers) when kQInRegs
         if constexpr (kQInRegs) {
             cp_async_wait<kStages - 1>();  // the Q group
             __syncthreads();
 #pragma unroll
-            for (int ks = 0; ks < kKs; ++ks)
-                Op::template load_a<LQK>(qf[ks], sQ, 16 * warp, ks * Op::kK);
+            for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < kKs; ++ks)
+                    Op::template load_a<LQK>(qf[mt][ks], sQ, warp_row + 16 * mt, ks * Op::kK);
         }
 
         for (long long n = 0; n < n_tiles; ++n) {
@@ -458,31 +469,40 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
             const T* sKn = sK + int(n % kStages) * kKElems;
             const T* sVn = sV + int(n % kStages) * kVElems;
 
-            // ---- scores: S (16 x kBlockN per warp) = Q K^T
-            Acc sc[kNt][4];
+            // ---- scores: S (16 kMt x kBlockN per warp) = Q K^T; each K fragment feeds kMt
+            //      query tiles
+            Acc sc[kMt][kNt][4];
 #pragma unroll
-            for (int nt = 0; nt < kNt; ++nt)
+            for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) sc[nt][i] = Acc(0);
+                for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) sc[mt][nt][i] = Acc(0);
 #pragma unroll
             for (int ks = 0; ks < kKs; ++ks) {
-                typename Op::AFrag af_smem;
-                const typename Op::AFrag* af = &qf[kQInRegs ? ks : 0];
+                typename Op::AFrag af_smem[kMt];  // used when !kQInRegs
                 if constexpr (!kQInRegs) {
-                    Op::template load_a<LQK>(af_smem, sQ, 16 * warp, ks * Op::kK);
-                    af = &af_smem;
+#pragma unroll
+                    for (int mt = 0; mt < kMt; ++mt)
+                        Op::template load_a<LQK>(af_smem[mt], sQ, warp_row + 16 * mt,
+                                                 ks * Op::kK);
                 }
 #pragma unroll
                 for (int nt = 0; nt < kNt; nt += 2) {
                     typename Op::BFrag b0, b1;
                     Op::template load_bt2<LQK>(b0, b1, sKn, nt * 8, ks * Op::kK);
-                    Op::mma(sc[nt], *af, b0);
-                    Op::mma(sc[nt + 1], *af, b1);
+#pragma unroll
+                    for (int mt = 0; mt < kMt; ++mt) {
+                        const typename Op::AFrag& af = kQInRegs ? qf[mt][ks] : af_smem[mt];
+                        Op::mma(sc[mt][nt], af, b0);
+                        Op::mma(sc[mt][nt + 1], af, b1);
+                    }
                 }
             }
 
             // ---- score transform (softcap, bias, ALiBi) and masking, in log2 units;
-            //      sc[nt][2h + c] is row row0 + 8h, key j0 + 8 nt + 2t + c.
+            //      sc[mt][nt][2h + c] is slot 2 mt + h (row row0 + 16 mt + 8h), key
+            //      j0 + 8 nt + 2t + c.
             // An interior tile (all rows < lq, all keys inside [j_lo, j_hi), which lies inside
             // [0, key_end), and inside every row's window) needs no per-element range test:
             // the block-uniform branch saves the 64-bit compares on most tiles.
@@ -496,88 +516,100 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
             // visible elements, which lie inside the operand).
 #if CUONLINE_HAS_MASK
             const long long mask_cs = strides[2 * kMask + 1];
-            const unsigned char* mask_row[2];
+            const unsigned char* mask_row[kSlots];
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                mask_row[h] = mask + off[kMask] + (row0 + 8 * h) * strides[2 * kMask] +
+            for (int r = 0; r < kSlots; ++r)
+                mask_row[r] = mask + off[kMask] + (row0 + 8 * r) * strides[2 * kMask] +
                               (j0 + 2 * t) * mask_cs;
 #endif
 #if CUONLINE_HAS_BIAS
             const long long bias_cs = strides[2 * kBias + 1];
-            const Acc* bias_row[2];
+            const Acc* bias_row[kSlots];
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                bias_row[h] = bias + off[kBias] + (row0 + 8 * h) * strides[2 * kBias] +
+            for (int r = 0; r < kSlots; ++r)
+                bias_row[r] = bias + off[kBias] + (row0 + 8 * r) * strides[2 * kBias] +
                               (j0 + 2 * t) * bias_cs;
 #endif
-            Acc tile_max[2] = {neg_inf(Acc()), neg_inf(Acc())};
+            Acc tile_max[kSlots];
 #pragma unroll
-            for (int nt = 0; nt < kNt; ++nt) {
+            for (int r = 0; r < kSlots; ++r) tile_max[r] = neg_inf(Acc());
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int h = e >> 1;
-                    const long long i = row0 + 8 * h;
-                    const long long j = j0 + 8 * nt + 2 * t + (e & 1);
-                    bool visible = true;
-                    if (!interior) {
-                        visible = i < lq && j < key_end && j >= j_lo && j < j_hi;
+            for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = 2 * mt + (e >> 1);
+                        const long long i = row0 + 8 * r;
+                        const long long j = j0 + 8 * nt + 2 * t + (e & 1);
+                        bool visible = true;
+                        if (!interior) {
+                            visible = i < lq && j < key_end && j >= j_lo && j < j_hi;
 #if CUONLINE_HAS_WINDOW
-                        visible = visible && j >= i + diag - window_left &&
-                                  j <= i + diag + window_right;
+                            visible = visible && j >= i + diag - window_left &&
+                                      j <= i + diag + window_right;
 #endif
-                    }
+                        }
 #if CUONLINE_HAS_MASK
-                    if (visible) visible = mask_row[h][(8 * nt + (e & 1)) * mask_cs] != 0;
+                        if (visible) visible = mask_row[r][(8 * nt + (e & 1)) * mask_cs] != 0;
 #endif
-                    Acc x = score_map.scaled(sc[nt][e]);
+                        Acc x = score_map.scaled(sc[mt][nt][e]);
 #if CUONLINE_HAS_BIAS
-                    if (visible) x += score_map.bias(bias_row[h][(8 * nt + (e & 1)) * bias_cs]);
+                        if (visible)
+                            x += score_map.bias(bias_row[r][(8 * nt + (e & 1)) * bias_cs]);
 #endif
 #if CUONLINE_HAS_ALIBI
-                    x -= score_map.alibi(i + diag, j);
+                        x -= score_map.alibi(i + diag, j);
 #endif
-                    sc[nt][e] = visible ? x : neg_inf(Acc());
-                    tile_max[h] = max_(tile_max[h], sc[nt][e]);
+                        sc[mt][nt][e] = visible ? x : neg_inf(Acc());
+                        tile_max[r] = max_(tile_max[r], sc[mt][nt][e]);
+                    }
                 }
-            }
 
             // ---- rescale running state to the new row max (quad-wide); p = exp2(s - m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                Acc mx = tile_max[h];
+            for (int r = 0; r < kSlots; ++r) {
+                const int mt = r / 2, h = r % 2;
+                Acc mx = tile_max[r];
                 mx = max_(mx, __shfl_xor_sync(CUONLINE_FULL_MASK, mx, 1));
                 mx = max_(mx, __shfl_xor_sync(CUONLINE_FULL_MASK, mx, 2));
-                const Acc m_use = state[h].rescale_to(mx);
+                const Acc m_use = state[r].rescale_to(mx);
 #pragma unroll
                 for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const Acc p = exp2_weight(sc[nt][2 * h + c] - m_use);
-                        sc[nt][2 * h + c] = p;
-                        state[h].l += p;
+                        const Acc p = exp2_weight(sc[mt][nt][2 * h + c] - m_use);
+                        sc[mt][nt][2 * h + c] = p;
+                        state[r].l += p;
                     }
             }
 
-            // ---- accumulate P·V: O (16 x kDvp per warp) += P (16 x kBlockN) V
+            // ---- accumulate P·V: O (16 kMt x kDvp per warp) += P (16 kMt x kBlockN) V; each
+            //      V fragment feeds kMt query tiles
 #pragma unroll
             for (int kk = 0; kk < kKv; ++kk) {
-                typename Op::AFrag pf;
-                Op::p_to_a(pf, sc, kk);
+                typename Op::AFrag pf[kMt];
+#pragma unroll
+                for (int mt = 0; mt < kMt; ++mt) Op::p_to_a(pf[mt], sc[mt], kk);
 #pragma unroll
                 for (int nv = 0; nv < kNv; nv += 2) {
                     typename Op::BFrag vf[2];
                     Op::template load_pv_b2<LV>(vf[0], vf[1], sVn, kk, nv * 8);
 #pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int n = nv + u;
-                        Acc o[4] = {state[0].o[2 * n], state[0].o[2 * n + 1],
-                                    state[1].o[2 * n], state[1].o[2 * n + 1]};
-                        Op::mma(o, pf, vf[u]);
-                        state[0].o[2 * n] = o[0];
-                        state[0].o[2 * n + 1] = o[1];
-                        state[1].o[2 * n] = o[2];
-                        state[1].o[2 * n + 1] = o[3];
-                    }
+                    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u) {
+                            const int n = nv + u;
+                            SoftmaxState<Acc, 2 * kNv>& top = state[2 * mt];
+                            SoftmaxState<Acc, 2 * kNv>& bottom = state[2 * mt + 1];
+                            Acc o[4] = {top.o[2 * n], top.o[2 * n + 1],
+                                        bottom.o[2 * n], bottom.o[2 * n + 1]};
+                            Op::mma(o, pf[mt], vf[u]);
+                            top.o[2 * n] = o[0];
+                            top.o[2 * n + 1] = o[1];
+                            bottom.o[2 * n] = o[2];
+                            bottom.o[2 * n + 1] = o[3];
+                        }
                 }
             }
             // every warp is done with this stage before a later iteration refills it
@@ -588,12 +620,12 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 
     // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const long long i = row0 + 8 * h;
-        Acc l_total = state[h].l;
+    for (int r = 0; r < kSlots; ++r) {
+        const long long i = row0 + 8 * r;
+        Acc l_total = state[r].l;
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 1);
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 2);
-        const Acc row_lse = state[h].finalize(l_total);
+        const Acc row_lse = state[r].finalize(l_total);
         if (i >= lq) continue;
         const long long row = output_row<kBlockM>(b, i, lq);
 #pragma unroll
@@ -601,7 +633,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = 8 * nv + 2 * t + c;
-                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[h].o[2 * nv + c]);
+                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[r].o[2 * nv + c]);
             }
 #if CUONLINE_SPLIT || CUONLINE_RETURN_LSE
         if (t == 0) lse[row] = row_lse;

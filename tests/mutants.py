@@ -62,6 +62,13 @@ MUTANTS = {
         "            cp_async_wait<kStages - 1>();  // tile n (and Q) landed for this thread...\n",
         "",
     ),
+    # Tensor-core family, two query tiles per warp: the second tile's output accumulates the
+    # first tile's weights P.
+    "mma_m_tiles_share_p": (
+        "attention_mma.cu",
+        "Op::mma(o, pf[mt], vf[u]);",
+        "Op::mma(o, pf[0], vf[u]);",
+    ),
 }
 
 

@@ -35,3 +35,8 @@ def test_gpu_report_table():
     table = gpu_bench.markdown(rows)
     assert "| float16 | 64 | 4096 | yes | 300.0 | 60.0 | 250.0 | - | 1.20 | 1.0e-03 |" in table
     assert len(list(gpu_bench.cases(quick=False))) == 36
+    # the cuonline-mt column times the other number of query tiles per warp, at every D
+    from cuonline.kernels import heuristics
+    for d in {d for _, d, _, _ in gpu_bench.cases(quick=False)}:
+        builtin = heuristics.MMA_TILES[("sm_90", "float16", d)]
+        assert heuristics.MmaTiles(*gpu_bench.OTHER_M_TILES[d]).m_tiles != builtin.m_tiles

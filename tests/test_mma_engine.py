@@ -55,16 +55,20 @@ def problem_of(backend, q, k, v, precision="highest", **options):
 
 
 def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=None,
-            kernel_sources=None, emulate_options=None, expect_cp_async=None, **options):
-    """Run the engine on the tensor-core family; NumPy results."""
+            kernel_sources=None, emulate_options=None, expect_cp_async=None, tuned=None,
+            expect_key=None, **options):
+    """Run the engine on the tensor-core family; NumPy results. ``tuned`` forces tiles (the
+    engine's seam); ``expect_*`` check the planned variant."""
     p = problem_of(backend, q, k, v, precision, **options)
     plan = heuristics.plan_attention(p, n_splits=n_splits,
                                      num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
-                                     cp_async=cuda.cp_async_aligned(p))
+                                     cp_async=cuda.cp_async_aligned(p), tuned=tuned)
     assert isinstance(plan.spec, MmaSpec), plan.spec.key       # the dispatcher picked it
     if expect_cp_async is not None:
         assert plan.spec.cp_async == expect_cp_async, plan.spec.key
-    out, lse = cuda.attention(p, n_splits=n_splits, num_sms=num_sms,
+    if expect_key is not None:
+        assert expect_key in plan.spec.key, plan.spec.key
+    out, lse = cuda.attention(p, n_splits=n_splits, num_sms=num_sms, tuned=tuned or {},
                               kernel_sources=kernel_sources, emulate_options=emulate_options)
     if backend == "cupy":
         out, lse = out.get(), (None if lse is None else lse.get())
@@ -174,6 +178,20 @@ def test_split_keys_for_few_queries(backend, dtype, lq, lk):
     p = problem_of("emulate", q, k, v, precision, **opts)
     assert heuristics.plan_attention(p).n_splits > 1      # the heuristics choose a split
     check(backend, q, k, v, opts, precision=precision)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["f16", "tf32", "f64"])
+@pytest.mark.parametrize("m_tiles", [1, 2])
+def test_query_tiles_per_warp(backend, dtype, m_tiles):
+    # Forced tiles: 3 warps of m_tiles query tiles (70 rows: the last warp partly empty with
+    # one tile per warp, ragged with two), 32-key tiles, the causal diagonal and a mask.
+    dt, precision = DTYPES[dtype]
+    q, k, v, opts = make_case(70 + m_tiles, batch=(2,), lq=70, lk=90, d=32, dv=24, dtype=dt,
+                              options=("causal", "mask"))
+    tuned = {("attention_mma", np.dtype(dt).name, 32): (4, 32, 2, m_tiles)}
+    key = "_mt2_" if m_tiles == 2 else "_bm64_bn32_"
+    check(backend, q, k, v, opts, precision=precision, tuned=tuned, expect_key=key)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -289,22 +307,26 @@ def test_dispatch_picks_the_family():
 
 
 def test_mma_tiles_fit_the_budgets():
-    for (arch, dtype, bucket), (warps, block_n, stages) in heuristics.MMA_TILES.items():
+    for (arch, dtype, bucket), builtin in heuristics.MMA_TILES.items():
         for width in {bucket, bucket // 2 + 1}:
-            for lq in (1, 17, 4096):
-                w, bn, s = heuristics.choose_mma_tiles(dtype, width, width, lq, arch)
-                spec = MmaSpec(dtype=dtype, d=width, dv=width, warps=w, block_n=bn, stages=s)
+            for lq in (1, 16, 17, 33, 4096):
+                tiles = heuristics.choose_mma_tiles(dtype, width, width, lq, arch)
+                spec = MmaSpec(dtype=dtype, d=width, dv=width, **tiles._asdict())
                 assert spec.shared_bytes <= heuristics.SMEM_OPT_IN_LIMIT[arch], spec.key
-                assert (w - 1) * 16 < max(lq, 1)          # no warp without a row
-                assert w <= warps and bn == block_n and s == stages
+                rows = 16 * tiles.m_tiles
+                assert (tiles.warps - 1) * rows < lq       # no warp without a row
+                assert tiles.m_tiles == (1 if lq <= 16 else builtin.m_tiles)
+                assert tiles.warps <= builtin.warps
+                assert (tiles.block_n, tiles.stages) == (builtin.block_n, builtin.stages)
 
 
 def test_plan_keys_are_readable():
     q, k, v, _ = make_case(1, lq=4096 // 64, lk=64, d=64, dv=64, dtype=np.float16)
     p = problem_of("emulate", q, k, v, causal=True)
     plan = heuristics.plan_attention(p)
-    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm64_bn64_s2_window"
-    assert plan.block == (128, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
+    # 64 queries: two warps of two 16-row query tiles each
+    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm64_mt2_bn32_s2_window"
+    assert plan.block == (64, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
     forced = heuristics.plan_attention(p, family="attention_fwd")
     assert forced.spec.family == "attention_fwd"
 
@@ -367,6 +389,7 @@ MMA_MUTANTS = {
     "mma_tf32_pv_order": "tf32",
     "mma_no_cp_async_wait": "f16",
     "mma_no_stage_sync": "tf32",  # a race: the emulation runs warps out of step
+    "mma_m_tiles_share_p": "f16",  # the case's 49 rows take two query tiles per warp
     "no_rescale": "f64",       # common.cuh's SoftmaxState, shared with the SIMT family
 }
 
@@ -391,7 +414,8 @@ def test_mutants_fail_the_oracle_comparison(name):
 _TSAN_SCRIPT = """
 import numpy as np
 import test_mma_engine as t
-q, k, v, _ = t.make_case(1, lq=20, lk=200, d=32, dv=24, dtype=np.float16)  # 4 key tiles
+# 4 key tiles; 40 rows: two warps of two query tiles (one warp alone would race with nobody)
+q, k, v, _ = t.make_case(1, lq=40, lk=200, d=32, dv=24, dtype=np.float16)
 out, lse = t.run_mma("emulate", q, k, v, num_sms=1, return_lse=True,
                      kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", out.shape)

@@ -88,7 +88,7 @@ def test_cubin_is_a_whole_elf_image():
 @needs_tools
 def test_benchmark_prints_before_and_after():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sass_mix.py"), "--only", "f16 d64",
+        [sys.executable, str(ROOT / "benchmarks" / "sass_mix.py"), "--only", "f16 d64 mt1",
          "--against", "HEAD"],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr

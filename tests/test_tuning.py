@@ -77,18 +77,25 @@ def test_candidates_keep_the_budgets_and_start_with_the_builtin(arch):
 
 
 def test_register_estimate():
-    # O (16 x Dv / 32 lanes) + scores (16 x block_n / 32), x2 for f64, + Q fragments in
-    # registers (4 words per k-step when at most 32 words)
-    cases = [(("float16", 128, 4, 64, 2), 64 + 32 + 32), (("float16", 256, 4, 32, 2), 128 + 16),
-             (("float32", 64, 4, 32, 2), 32 + 16 + 32), (("float64", 128, 2, 16, 1), 144),
-             (("float64", 32, 4, 32, 2), (16 + 16) * 2 + 32)]
-    for (dtype, d, warps, block_n, stages), words in cases:
-        spec = MmaSpec(dtype=dtype, d=d, dv=d, warps=warps, block_n=block_n, stages=stages)
+    # per query tile: O (16 x Dv / 32 lanes) + scores (16 x block_n / 32), x2 for f64; + Q
+    # fragments in registers (4 words per k-step and query tile, when at most 32 words)
+    cases = [(("float16", 128, 4, 64, 2, 1), 64 + 32 + 32),
+             (("float16", 256, 4, 32, 2, 1), 128 + 16),
+             (("float32", 64, 4, 32, 2, 1), 32 + 16 + 32), (("float64", 128, 2, 16, 1, 1), 144),
+             (("float64", 32, 4, 32, 2, 1), (16 + 16) * 2 + 32),
+             (("float16", 64, 4, 32, 2, 2), 2 * (32 + 16) + 2 * 16),
+             (("float32", 64, 4, 32, 2, 2), 2 * (32 + 16))]          # Q (64 words) from sQ
+    for (dtype, d, warps, block_n, stages, m_tiles), words in cases:
+        spec = MmaSpec(dtype=dtype, d=d, dv=d, warps=warps, block_n=block_n, stages=stages,
+                       m_tiles=m_tiles)
         assert tuning.mma_register_words(spec) == words, spec.key
-    # what spilled in the sweep is not a candidate: f16 D = 128 with 128-key tiles (160 words),
-    # f64 D = 64 with two stages of 64 keys (128 words + a second f64 stage)
-    assert (4, 128, 2) not in tuning.candidates("sm_80", "float16", 128)
-    assert (4, 64, 2) not in tuning.candidates("sm_90", "float64", 64)
+    # what spilled in the sweeps is not a candidate: f16 D = 128 with 128-key tiles (160
+    # words), f64 D = 64 with two stages of 64 keys (128 words + a second f64 stage), two query
+    # tiles per warp with 64 keys at D = 64 or 32 keys at D = 128 (160 words)
+    assert (4, 128, 2, 1) not in tuning.candidates("sm_80", "float16", 128)
+    assert (4, 64, 2, 1) not in tuning.candidates("sm_90", "float64", 64)
+    assert (4, 64, 2, 2) not in tuning.candidates("sm_90", "float16", 64)
+    assert (4, 32, 2, 2) not in tuning.candidates("sm_80", "float16", 128)
 
 
 def test_candidates_respect_a_device_shared_memory_limit():
@@ -140,9 +147,9 @@ def document(entries, gpu="NVIDIA H200", arch="sm_90", version=None):
             "arch": arch, "updated": "2026-01-01T00:00:00", "entries": entries}
 
 
-def entry(dtype="float16", d=64, tiles=(8, 32, 1), family="attention_mma"):
+def entry(dtype="float16", d=64, tiles=(8, 32, 1, 1), family="attention_mma"):
     return {"family": family, "dtype": dtype, "d": d, "precision": "highest",
-            "tiles": list(tiles), "builtin": [4, 64, 2], "results": []}
+            "tiles": list(tiles), "builtin": [4, 64, 2, 1], "results": []}
 
 
 def test_store_and_load_round_trip(cache_dir):
@@ -152,12 +159,12 @@ def test_store_and_load_round_trip(cache_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         table = tuning.load_winners(path, gpu="NVIDIA H200", arch="sm_90")
-    assert table == {("attention_mma", "float16", 64): (8, 32, 1)}
+    assert table == {("attention_mma", "float16", 64): (8, 32, 1, 1)}
     # a second tune adds its keys and replaces the same ones
-    tuning.store(document([entry(d=128, tiles=(8, 64, 2)), entry(tiles=(4, 32, 2))]))
+    tuning.store(document([entry(d=128, tiles=(8, 64, 2, 1)), entry(tiles=(4, 32, 2, 1))]))
     table = tuning.load_winners(path, gpu="NVIDIA H200", arch="sm_90")
-    assert table == {("attention_mma", "float16", 64): (4, 32, 2),
-                     ("attention_mma", "float16", 128): (8, 64, 2)}
+    assert table == {("attention_mma", "float16", 64): (4, 32, 2, 1),
+                     ("attention_mma", "float16", 128): (8, 64, 2, 1)}
     # no file: no winners, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -179,7 +186,7 @@ def test_foreign_or_corrupt_files_are_ignored_with_a_warning(cache_dir, case, ma
     if case == "version":
         doc["cuonline"] = "0.0.0-other"
     elif case == "tiles":
-        doc["entries"] = [entry(tiles=(8, 256, 2))]
+        doc["entries"] = [entry(tiles=(8, 256, 2, 1))]
     elif case == "entry":
         doc["entries"] = [{"family": "attention_mma"}]
     text = "{not json" if case == "corrupt" else json.dumps(doc)
@@ -215,15 +222,15 @@ def test_import_reads_no_tuning_file():
 def test_mma_plan_takes_the_stored_winner():
     p = problem(np.float16, 64, 300)
     builtin = heuristics.plan_attention(p).spec
-    assert (builtin.warps, builtin.block_n, builtin.stages) == (4, 64, 2)
-    table = {("attention_mma", "float16", 64): (8, 32, 1)}
+    assert (builtin.warps, builtin.block_n, builtin.stages, builtin.m_tiles) == (4, 32, 2, 2)
+    table = {("attention_mma", "float16", 64): (8, 32, 1, 1)}
     spec = heuristics.plan_attention(p, tuned=table).spec
-    assert (spec.warps, spec.block_n, spec.stages) == (8, 32, 1)
+    assert (spec.warps, spec.block_n, spec.stages, spec.m_tiles) == (8, 32, 1, 1)
     # the winner of the bucket serves narrower heads; other dtypes/buckets keep the table
     narrow = heuristics.plan_attention(problem(np.float16, 40, 300), tuned=table).spec
-    assert (narrow.warps, narrow.block_n, narrow.stages) == (8, 32, 1)
+    assert (narrow.warps, narrow.block_n, narrow.stages, narrow.m_tiles) == (8, 32, 1, 1)
     other = heuristics.plan_attention(problem(np.float16, 128, 300), tuned=table).spec
-    assert (other.warps, other.block_n, other.stages) == (4, 64, 2)
+    assert (other.warps, other.block_n, other.stages, other.m_tiles) == (4, 64, 2, 1)
     assert heuristics.plan_attention(p, tuned={}).spec == builtin
     # few queries: the winner's warps are still capped at one per 16 rows
     few = heuristics.plan_attention(problem(np.float16, 64, 17, 300), tuned=table).spec
@@ -238,12 +245,12 @@ def test_simt_plan_takes_the_stored_winner():
     assert (spec.warps, spec.rows_per_warp, spec.keys_per_lane) == (8, 4, 1)
     # the TF32 winner is another family's: no effect on exact float32
     assert heuristics.plan_attention(
-        p, tuned={("attention_mma", "float32", 64): (8, 32, 1)}).spec == builtin
+        p, tuned={("attention_mma", "float32", 64): (8, 32, 1, 1)}).spec == builtin
     # decoding shapes keep the built-in rules
     assert heuristics.plan_attention(problem(np.float32, 64, 1, 300), tuned=table).spec == \
         heuristics.plan_attention(problem(np.float32, 64, 1, 300)).spec
     tf32 = heuristics.plan_attention(problem(np.float32, 64, 300, precision="tf32"),
-                                     tuned={("attention_mma", "float32", 64): (8, 32, 1)})
+                                     tuned={("attention_mma", "float32", 64): (8, 32, 1, 1)})
     assert isinstance(tf32.spec, MmaSpec) and tf32.spec.block_n == 32
 
 
@@ -257,9 +264,9 @@ def test_engine_forwards_the_table(monkeypatch):
 
     monkeypatch.setattr(tuning, "current_device_winners", no_loading)
     p = problem(np.float16, 64, 300)
-    table = {("attention_mma", "float16", 64): (2, 128, 1)}
+    table = {("attention_mma", "float16", 64): (2, 128, 1, 1)}
     spec = cuda.attention(p, tuned=table).spec
-    assert (spec.warps, spec.block_n, spec.stages) == (2, 128, 1)
+    assert (spec.warps, spec.block_n, spec.stages, spec.m_tiles) == (2, 128, 1, 1)
     assert cuda.attention(p).spec == heuristics.plan_attention(p).spec
 
 
@@ -370,9 +377,9 @@ def test_tune_stores_and_reports(monkeypatch, cache_dir, capsys):
 
     def fake_measure(dtypes, dims, *, quick, progress):
         seen.update(dtypes=dtypes, dims=dims, quick=quick)
-        results = [{"tiles": [4, 64, 2], "key": "a", "ms": 2.0, "error": None},
-                   {"tiles": [8, 32, 1], "key": "b", "ms": 1.0, "error": None},
-                   {"tiles": [2, 64, 2], "key": "c", "ms": None, "error": "CompileException"}]
+        results = [{"tiles": [4, 64, 2, 1], "key": "a", "ms": 2.0, "error": None},
+                   {"tiles": [8, 32, 1, 1], "key": "b", "ms": 1.0, "error": None},
+                   {"tiles": [2, 64, 2, 1], "key": "c", "ms": None, "error": "CompileException"}]
         return document([dict(entry(), results=results)], gpu="Fake GPU")
 
     monkeypatch.setattr(cli, "_gpu_or_reason", lambda: ("Fake GPU", None))
@@ -380,7 +387,7 @@ def test_tune_stores_and_reports(monkeypatch, cache_dir, capsys):
     assert main(["tune", "--quick", "--dtypes", "float16", "--dims", "60"]) == 0
     assert seen == {"dtypes": ("float16",), "dims": (60,), "quick": True}
     out = capsys.readouterr().out
-    assert "stored in" in out and "(4, 64, 2): 2.000 ms  ->  (8, 32, 1): 1.000 ms  (2.00x)" in out
+    assert "stored in" in out and "(4, 64, 2, 1): 2.000 ms  ->  (8, 32, 1, 1): 1.000 ms  (2.00x)" in out
     (path,) = cache_dir.iterdir()
     table = tuning.load_winners(path, gpu="Fake GPU", arch="sm_90")
-    assert table == {("attention_mma", "float16", 64): (8, 32, 1)}
+    assert table == {("attention_mma", "float16", 64): (8, 32, 1, 1)}

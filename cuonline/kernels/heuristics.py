@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .specs import MMA_MAX_HEAD_DIM, KernelSpec, MmaSpec
 
-__all__ = ["D_BUCKETS", "MMA_TILES", "Plan", "choose_mma_tiles", "choose_splits",
+__all__ = ["D_BUCKETS", "MMA_TILES", "MmaTiles", "Plan", "choose_mma_tiles", "choose_splits",
            "choose_tiles", "d_bucket", "plan_attention", "tuned_tiles", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
@@ -39,29 +40,58 @@ SMEM_OPT_IN_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 #: Head-dimension buckets of the tile tables (and of `python -m cuonline tune`'s winners).
 D_BUCKETS = (32, 64, 128, 256)
 
-#: Tensor-core family: (arch, dtype, D bucket) -> (warps, block_n, stages). The D bucket is the
-#: smallest of 32, 64, 128, 256 that holds max(D, Dv). A warp owns 16 query rows, so
-#: block_m = 16 * warps. Starting points derived from the shared-memory and register budgets
-#: (not yet measured on a GPU; `python -m cuonline kernels` shows what ptxas made of them):
+
+class MmaTiles(NamedTuple):
+    """Tiles of the tensor-core family: ``block_m = 16 * m_tiles * warps`` query rows and
+    ``block_n`` keys per tile, ``stages`` K/V tiles in flight (see
+    :class:`~cuonline.kernels.specs.MmaSpec`)."""
+
+    warps: int
+    block_n: int
+    stages: int
+    m_tiles: int = 1
+
+
+#: Tensor-core family: (arch, dtype, D bucket) -> MmaTiles. The D bucket is the smallest of 32,
+#: 64, 128, 256 that holds max(D, Dv). Starting points derived from the shared-memory,
+#: shared-bandwidth and register budgets (not yet measured on a GPU; `python -m cuonline
+#: kernels` shows what ptxas made of them, `python -m cuonline tune` measures the others).
+#:
+#: Two 16-row query tiles per warp (m_tiles = 2) where the registers allow it: an SM reads
+#: shared memory at 128 bytes a clock, and with one query tile per warp the K and V fragments
+#: of each f16 mma (one ldmatrix.x4, 512 bytes, per two mmas) need twice that at the tensor
+#: cores' rate; two query tiles share each fragment, halving the traffic (FlashAttention-2's
+#: 32 rows per warp). tf32 (4-byte elements, half the flops per byte) gains the same way;
+#: f64 does not need it (DMMA runs at a quarter of that rate). At D = 128 two query tiles hold
+#: 128 registers of O alone: with 32-key tiles ptxas reached 252-255 registers and spilled in
+#: some variants (sm_80 with a window, sm_90 with the element-wise loader or split keys), so
+#: D = 128 keeps one query tile; `tune` measures both.
 MMA_TILES = {}
 for _arch in ("sm_80", "sm_90"):
     for _dt in ("float16", "bfloat16"):
-        # 16-bit: 64-key tiles, two K/V stages. Q (64 x D) + 2 x (K, V) (64 x D) is 40 KiB at
-        # D = 64 and 80 KiB at D = 128; D = 256 halves the key tile to stay at 96 KiB and keep
-        # the f32 O accumulator (128 registers per lane at Dv = 256) beside the scores.
-        MMA_TILES.update({(_arch, _dt, 32): (4, 64, 2), (_arch, _dt, 64): (4, 64, 2),
-                          (_arch, _dt, 128): (4, 64, 2), (_arch, _dt, 256): (4, 32, 2)})
-    # tf32: float tiles take twice the bytes of 16-bit ones: 32-key tiles up to D = 128
-    # (48 / 96 KiB); at D = 256 one stage of 32 keys (128 KiB) rather than two of 16 (the mma k
-    # is 8, so 16-key tiles leave two k-steps per P·V and little to overlap).
-    MMA_TILES.update({(_arch, "float32", 32): (4, 64, 2), (_arch, "float32", 64): (4, 32, 2),
-                      (_arch, "float32", 128): (4, 32, 2), (_arch, "float32", 256): (4, 32, 1)})
+        # 16-bit, two K/V stages. D <= 64: two query tiles per warp (128 rows per block) and
+        # 64 / 32 keys per tile (64 at D = 64 spilled with every option on): 24 / 32 KiB.
+        # D = 128: 64 x 64 tiles, 80 KiB. D = 256: 32-key tiles, 96 KiB, keeping the f32 O
+        # accumulator (128 registers per lane at Dv = 256) beside the scores.
+        MMA_TILES.update({(_arch, _dt, 32): MmaTiles(4, 64, 2, 2),
+                          (_arch, _dt, 64): MmaTiles(4, 32, 2, 2),
+                          (_arch, _dt, 128): MmaTiles(4, 64, 2),
+                          (_arch, _dt, 256): MmaTiles(4, 32, 2)})
+    # tf32: float tiles take twice the bytes of 16-bit ones: 32-key tiles, two query tiles per
+    # warp up to D = 64 (32 / 64 KiB), one at D = 128 (96 KiB; two spilled on sm_80 with the
+    # element-wise loader); at D = 256 one stage of 32 keys (128 KiB) rather than two of 16
+    # (the mma k is 8, so 16-key tiles leave two k-steps per P·V and little to overlap).
+    MMA_TILES.update({(_arch, "float32", 32): MmaTiles(4, 32, 2, 2),
+                      (_arch, "float32", 64): MmaTiles(4, 32, 2, 2),
+                      (_arch, "float32", 128): MmaTiles(4, 32, 2),
+                      (_arch, "float32", 256): MmaTiles(4, 32, 1)})
     # f64: 8-byte elements and an f64 O accumulator (2 registers per value). D = 128 takes two
     # warps (32 query rows, Q 32 KiB) and one 16-key stage: the O accumulator (16 rows x 128 /
     # 32 lanes = 64 doubles = 128 registers) leaves too little room for a second stage's
     # addresses (sm_90's ptxas spilled at two stages: 255 registers, 48 bytes).
-    MMA_TILES.update({(_arch, "float64", 32): (4, 32, 2), (_arch, "float64", 64): (4, 16, 2),
-                      (_arch, "float64", 128): (2, 16, 1)})
+    MMA_TILES.update({(_arch, "float64", 32): MmaTiles(4, 32, 2),
+                      (_arch, "float64", 64): MmaTiles(4, 16, 2),
+                      (_arch, "float64", 128): MmaTiles(2, 16, 1)})
 
 
 def d_bucket(width: int) -> int:
@@ -72,8 +102,8 @@ def d_bucket(width: int) -> int:
 def tuned_tiles(tuned, family, dtype, width):
     """The stored winner of ``python -m cuonline tune`` for this family, dtype and head width.
 
-    ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: ``(warps, block_n,
-    stages)`` for ``"attention_mma"``, ``(warps, rows_per_warp, keys_per_lane)`` for
+    ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: :class:`MmaTiles`
+    ``(warps, block_n, stages, m_tiles)`` for ``"attention_mma"``, ``(warps, rows_per_warp, keys_per_lane)`` for
     ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads and validates it).
     None or ``{}``: no winner, the built-in choice applies. Returns the tuple or None.
     """
@@ -171,7 +201,7 @@ def uses_mma(dtype, d, dv, precision="highest") -> bool:
 
 
 def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
-    """Return ``(warps, block_n, stages)`` of the tensor-core family for one problem shape.
+    """Return the :class:`MmaTiles` of the tensor-core family for one problem shape.
 
     ``tuned``: winners stored by ``python -m cuonline tune`` for the current GPU (see
     :func:`tuned_tiles`); one for this dtype and D bucket comes before :data:`MMA_TILES`.
@@ -182,11 +212,12 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
     # A measured winner first (measured on this GPU; tuning.candidates kept it within this
     # arch's shared-memory limit at the bucket's full width), else the built-in table.
     winner = tuned_tiles(tuned, "attention_mma", name, width)
-    warps, block_n, stages = winner or MMA_TILES[(arch, name, d_bucket(width))]
-    # Few query rows: one warp per 16 of them, no idle warps (decoding: one warp; the key split
-    # fills the GPU instead).
-    warps = max(1, min(warps, math.ceil(max(lq, 1) / 16)))
-    return warps, block_n, stages
+    tiles = MmaTiles(*(winner or MMA_TILES[(arch, name, d_bucket(width))]))
+    # Few query rows: one query tile per warp up to 16 rows (decoding: one warp, no idle tile;
+    # the key split fills the GPU instead), then no warp without a row.
+    m_tiles = 1 if lq <= 16 else tiles.m_tiles
+    warps = max(1, min(tiles.warps, math.ceil(max(lq, 1) / (16 * m_tiles))))
+    return tiles._replace(warps=warps, m_tiles=m_tiles)
 
 
 def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
@@ -223,9 +254,8 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
     else:
         raise ValueError(f"family must be 'attention_fwd' or 'attention_mma', got {family!r}")
     if mma:
-        warps, block_n, stages = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                                  arch, tuned)
-        block_m = 16 * warps
+        tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned)
+        block_m, block_n = 16 * tiles.m_tiles * tiles.warps, tiles.block_n
     else:
         warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
                                          problem.nbatch, num_sms, tuned)
@@ -250,8 +280,8 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
         return_lse=problem.return_lse, split=n_splits > 1,
     )
     if mma:
-        spec = MmaSpec(dtype=dtype.name, d=problem.d, dv=problem.dv, warps=warps,
-                       block_n=block_n, stages=stages, cp_async=cp_async, **flags)
+        spec = MmaSpec(dtype=dtype.name, d=problem.d, dv=problem.dv, cp_async=cp_async,
+                       **tiles._asdict(), **flags)
     else:
         spec = KernelSpec(dtype=dtype.name, acc=np.dtype(problem.acc_dtype).name, d=problem.d,
                           dv=problem.dv, warps=warps, rows_per_warp=rows, keys_per_lane=keys,

@@ -257,9 +257,8 @@ def _spec(dtype, d, dv, lq, *, split=False, **flags):
 
 
 def _mma_spec(dtype, d, dv, lq, *, cp_async=True, **flags):
-    warps, block_n, stages = choose_mma_tiles(dtype, d, dv, lq)
-    return MmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_n=block_n, stages=stages,
-                   cp_async=cp_async, **flags)
+    return MmaSpec(dtype=dtype, d=d, dv=dv, cp_async=cp_async,
+                   **choose_mma_tiles(dtype, d, dv, lq)._asdict(), **flags)
 
 
 _ALL_FLAGS = dict(window=True, bias=True, mask=True, kv_lengths=True, alibi=True, softcap=True,
@@ -269,8 +268,8 @@ _ALL_FLAGS = dict(window=True, bias=True, mask=True, kv_lengths=True, alibi=True
 def _mma_listing_specs() -> list:
     """Tensor-core family: every dtype (float32 = TF32) x D in {32, 64, 96, 128, 256} (float64
     up to 128), Dv != D, each feature flag alone at D = 64 and all together at D = 64 and 128
-    (f16 and tf32), all flags at f64 D = 64, the decoding shape (Lq = 1, split keys) and the
-    element-wise loader (strided views)."""
+    (f16 and tf32), all flags at f64 D = 64, the decoding shape (Lq = 1, split keys), split
+    keys with many queries (f16 and tf32) and the element-wise loader (strided views)."""
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         dims = (32, 64, 96, 128) + ((256,) if dtype != "float64" else ())
@@ -284,6 +283,8 @@ def _mma_listing_specs() -> list:
             specs.append(_mma_spec(dtype, 64, 64, 4096, **{flag: True}))
         for d in (64, 128):
             specs.append(_mma_spec(dtype, d, d, 4096, **_ALL_FLAGS))
+        # split keys at two query tiles per warp (a few hundred queries, many keys)
+        specs.append(_mma_spec(dtype, 64, 64, 4096, split=True, return_lse=True))
     specs.append(_mma_spec("float16", 256, 256, 4096, **_ALL_FLAGS))
     specs.append(_mma_spec("float64", 64, 64, 4096, **_ALL_FLAGS))
     specs.append(_mma_spec("float64", 128, 128, 1, split=True, **_ALL_FLAGS))

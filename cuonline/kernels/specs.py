@@ -276,11 +276,16 @@ class MmaSpec(AttentionFeatures):
     d, dv : int
         Head dimensions of q/k and of v; padded in shared memory to the mma k and to 16.
     warps, block_n, stages : int
-        ``block_m = 16 * warps`` query rows per block, ``block_n`` keys per tile, and the number
-        of K/V tiles in flight (2: tile j + 1 loads while tile j computes).
+        Warps per block, ``block_n`` keys per tile, and the number of K/V tiles in flight (2:
+        tile j + 1 loads while tile j computes).
     cp_async : bool
         q, k and v rows are 16-byte aligned with unit column stride: cp.async copies them.
         False: an element-wise loader (any strides) fills the same shared-memory layout.
+    m_tiles : int
+        16-row query tiles per warp, 1 or 2: ``block_m = 16 * m_tiles * warps``. With 2, each
+        K and V fragment a warp reads from shared memory feeds twice the mmas (half the
+        shared-memory traffic per flop, FlashAttention-2's 32 rows per warp), for twice the
+        accumulator registers.
     window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
         Keyword-only: see :class:`AttentionFeatures`.
     """
@@ -292,6 +297,7 @@ class MmaSpec(AttentionFeatures):
     block_n: int
     stages: int
     cp_async: bool = True
+    m_tiles: int = 1
 
     family = "attention_mma"
     entry = "cuonline_attention_mma"
@@ -306,9 +312,10 @@ class MmaSpec(AttentionFeatures):
             value = getattr(self, name)
             if not 1 <= value <= limit:
                 raise ValueError(f"{name} must be in 1..{limit} for {self.dtype}, got {value}")
-        if not 1 <= self.warps <= 8 or self.block_n % 16 or self.stages not in (1, 2):
+        if (not 1 <= self.warps <= 8 or self.block_n % 16 or self.stages not in (1, 2)
+                or self.m_tiles not in (1, 2)):
             raise ValueError(f"bad tile shape: warps={self.warps}, block_n={self.block_n}, "
-                             f"stages={self.stages}")
+                             f"stages={self.stages}, m_tiles={self.m_tiles}")
 
     @property
     def acc(self) -> str:
@@ -316,7 +323,7 @@ class MmaSpec(AttentionFeatures):
 
     @property
     def block_m(self) -> int:
-        return 16 * self.warps
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
@@ -343,14 +350,17 @@ class MmaSpec(AttentionFeatures):
 
     @property
     def key(self) -> str:
-        """Readable unique name, e.g. ``attention_mma_f16_d64_dv64_bm64_bn64_s2_window``."""
+        """Readable unique name, e.g. ``attention_mma_f16_d64_dv64_bm64_bn64_s2_window``
+        (``_mt2`` after ``bm`` for two query tiles per warp)."""
         tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
-        parts = [self.family, tag, f"d{self.d}", f"dv{self.dv}", f"bm{self.block_m}",
-                 f"bn{self.block_n}", f"s{self.stages}"]
+        parts = [self.family, tag, f"d{self.d}", f"dv{self.dv}", f"bm{self.block_m}"]
+        if self.m_tiles > 1:
+            parts.append(f"mt{self.m_tiles}")
+        parts += [f"bn{self.block_n}", f"s{self.stages}"]
         if not self.cp_async:
             parts.append("plainload")
         return "_".join(parts + self._flag_key())
 
     def _tile_defines(self) -> dict:
-        return {"CUONLINE_BLOCK_N": self.block_n, "CUONLINE_STAGES": self.stages,
-                "CUONLINE_CP_ASYNC": int(self.cp_async)}
+        return {"CUONLINE_M_TILES": self.m_tiles, "CUONLINE_BLOCK_N": self.block_n,
+                "CUONLINE_STAGES": self.stages, "CUONLINE_CP_ASYNC": int(self.cp_async)}

@@ -18,7 +18,8 @@ Four parts, the first, third and fourth of them pure or file-only (CPU-testable)
    the current GPU's file once per process (never at ``import cuonline``). A corrupt file, or
    one written by another cuonline version or for another GPU, is ignored with a warning.
 
-A tile tuple is ``(warps, block_n, stages)`` for the tensor-core family (``attention_mma``) and
+A tile tuple is ``(warps, block_n, stages, m_tiles)`` (:class:`~cuonline.kernels.heuristics.MmaTiles`)
+for the tensor-core family (``attention_mma``) and
 ``(warps, rows_per_warp, keys_per_lane)`` for the SIMT family (``attention_fwd``). Winners are
 keyed by ``(family, dtype, D bucket)``: the bucket is the smallest of 32, 64, 128, 256 that
 holds max(D, Dv), as in the built-in table, and candidates are checked at the bucket's full
@@ -29,6 +30,7 @@ Nothing here imports CuPy at module level.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -56,13 +58,15 @@ FAMILIES = ("attention_mma", "attention_fwd")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Registers (32-bit words) per lane that a tensor-core candidate may tie up in fragments: see
 #: :func:`mma_register_words`. The largest built-in tiles (f16 and tf32 at D = 256, f64 at
-#: D = 128) come to 144 and compile without spills; f16 at D = 128 with 128-key tiles comes to
-#: 160 and spilled with every option on (sm_80 already with the causal window alone).
+#: D = 128) come to 144 and compile without spills; 160 spilled in some variants: f16 at
+#: D = 128 with 128-key tiles (with every option on; sm_80 already with the causal window
+#: alone), and two query tiles per warp of 64 keys at D = 64 (every option on) or of 32 keys
+#: at D = 128 (sm_80 with a window, sm_90 with the element-wise loader).
 MMA_REGISTER_WORDS = 144
-#: Values tried per tile parameter: (warps, block_n, stages) and (warps, rows_per_warp,
-#: keys_per_lane). A full tune measures their product (within the budgets), a quick one the
-#: built-in choice and its neighbours along one ladder at a time.
-LADDERS = {"attention_mma": ((2, 4, 8), (16, 32, 64, 128), (1, 2)),
+#: Values tried per tile parameter: (warps, block_n, stages, m_tiles) and (warps,
+#: rows_per_warp, keys_per_lane). A full tune measures their product (within the budgets), a
+#: quick one the built-in choice and its neighbours along one ladder at a time.
+LADDERS = {"attention_mma": ((2, 4, 8), (16, 32, 64, 128), (1, 2), (1, 2)),
            "attention_fwd": ((4, 8), (2, 4, 8), (1, 2))}
 #: Shape measured per candidate: ``(keys = queries, batch x heads, causal cases, runs)``.
 SHAPE = {"n": 4096, "nbatch": 16, "causal": (False, True), "repeats": 5}
@@ -105,9 +109,7 @@ def spec_of(family, dtype, d, tiles, **flags):
     """The kernel spec of ``tiles`` at D = Dv = ``d`` (the candidate's key, shared memory)."""
     name = _name(dtype)
     if family == "attention_mma":
-        warps, block_n, stages = tiles
-        return MmaSpec(dtype=name, d=d, dv=d, warps=warps, block_n=block_n, stages=stages,
-                       **flags)
+        return MmaSpec(dtype=name, d=d, dv=d, **heuristics.MmaTiles(*tiles)._asdict(), **flags)
     warps, rows, keys = tiles
     return KernelSpec(dtype=name, acc="float64" if name == "float64" else "float32", d=d, dv=d,
                       warps=warps, rows_per_warp=rows, keys_per_lane=keys, **flags)
@@ -124,16 +126,18 @@ def builtin_tiles(arch, family, dtype, d, *, n=SHAPE["n"], nbatch=SHAPE["nbatch"
 def mma_register_words(spec) -> int:
     """Registers per lane that an :class:`~cuonline.kernels.specs.MmaSpec` holds in fragments.
 
-    The O accumulator (16 rows x Dv / 32 lanes), the score accumulator (16 x block_n / 32),
-    both twice for float64, and the Q fragments when attention_mma.cu keeps them in registers
-    (``kQInRegs``: 4 words per k-step, when that is at most 32 words). Addresses, the softmax
-    state and the option arguments come on top: ptxas's count is this plus 60 to 110.
+    Per 16-row query tile of a warp (``m_tiles`` of them): the O accumulator (16 rows x Dv / 32
+    lanes) and the score accumulator (16 x block_n / 32), both twice for float64; and the Q
+    fragments when attention_mma.cu keeps them in registers (``kQInRegs``: 4 words per k-step
+    and query tile, when that is at most 32 words). Addresses, the softmax state and the option
+    arguments come on top: ptxas's count is this plus 60 to 110.
     """
     k = int(spec.instruction.split(".")[3].split("k")[1])     # m16n8k16 -> 16
     words = 2 if spec.dtype == "float64" else 1
     dp, dvp = spec.padded_dims
-    q_words = (dp // k) * 4
-    return (dvp // 2 + spec.block_n // 2) * words + (q_words if q_words <= 32 else 0)
+    q_words = spec.m_tiles * (dp // k) * 4
+    return (spec.m_tiles * (dvp // 2 + spec.block_n // 2) * words
+            + (q_words if q_words <= 32 else 0))
 
 
 def _fits(arch, family, dtype, d, tiles, smem_limit) -> bool:
@@ -187,14 +191,14 @@ def candidates(arch, dtype, d, family=None, *, quick=False, smem_limit=None) -> 
     Returns
     -------
     list of tuple
-        The built-in choice first, then the others in a fixed order; ``(warps, block_n,
-        stages)`` for ``attention_mma``, ``(warps, rows_per_warp, keys_per_lane)`` for
-        ``attention_fwd``.
+        The built-in choice first, then the others in a fixed order;
+        :class:`~cuonline.kernels.heuristics.MmaTiles` ``(warps, block_n, stages, m_tiles)``
+        for ``attention_mma``, ``(warps, rows_per_warp, keys_per_lane)`` for ``attention_fwd``.
 
     Notes
     -----
-    Tensor cores: warps in {2, 4, 8}, key tiles of 16 to 128 keys, one or two stages; the
-    fragments within :data:`MMA_REGISTER_WORDS` (:func:`mma_register_words`) and shared memory
+    Tensor cores: warps in {2, 4, 8}, key tiles of 16 to 128 keys, one or two stages, one or
+    two 16-row query tiles per warp; the fragments within :data:`MMA_REGISTER_WORDS` (:func:`mma_register_words`) and shared memory
     within the opt-in limit. SIMT: 4 or 8 warps, 2 to 8 rows per warp, 1 or 2
     keys per lane, within the register and shared budgets of
     :func:`~cuonline.kernels.heuristics.choose_tiles`.
@@ -202,8 +206,8 @@ def candidates(arch, dtype, d, family=None, *, quick=False, smem_limit=None) -> 
     Examples
     --------
     >>> from cuonline.kernels.tuning import candidates
-    >>> candidates("sm_90", "float16", 64, quick=True)
-    [(4, 64, 2), (2, 64, 2), (8, 64, 2), (4, 32, 2), (4, 128, 2), (4, 64, 1)]
+    >>> [tuple(tiles) for tiles in candidates("sm_90", "float16", 64, quick=True)]
+    [(4, 32, 2, 2), (2, 32, 2, 2), (8, 32, 2, 2), (4, 16, 2, 2), (4, 32, 1, 2), (4, 32, 2, 1)]
     """
     name = _name(dtype)
     if name not in DTYPES:
@@ -222,7 +226,9 @@ def candidates(arch, dtype, d, family=None, *, quick=False, smem_limit=None) -> 
     if quick:
         grid = _neighbours(builtin, ladders)
     else:
-        grid = [(a, b, c) for a in ladders[0] for b in ladders[1] for c in ladders[2]]
+        grid = itertools.product(*ladders)
+    if family == "attention_mma":
+        grid = [heuristics.MmaTiles(*tiles) for tiles in grid]
     out = [builtin]
     for tiles in grid:
         if tiles not in out and min(tiles) >= 1 and _fits(arch, family, name, bucket, tiles,
