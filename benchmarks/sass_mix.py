@@ -81,7 +81,8 @@ def main(argv=None):
         now = sass.variant_mix(spec, args.arch)
         row.update(registers=now.registers, loop=now.instructions, mma=now.mma,
                    per_mma=round(now.per_mma, 2), integer=now.integer,
-                   ldsm_per_mma=round(now.opcodes.get("LDSM", 0) / now.mma, 3))
+                   ldsm_per_mma=round(now.opcodes.get("LDSM", 0) / now.mma, 3),
+                   inner_loops=now.inner_loops)
         # a revision without CUONLINE_M_TILES would compile one query tile per warp
         if before is not None and (spec.m_tiles == 1
                                    or "CUONLINE_M_TILES" in before["attention_mma.cu"]):

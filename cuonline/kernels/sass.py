@@ -7,8 +7,10 @@ holds every tensor-core instruction (``HMMA``/``DMMA``) of the kernel. :func:`lo
 that body's instructions by opcode.
 
 The counts are static: each instruction of the loop body once, both sides of a branch
-included (the masking of boundary tiles is a branch that interior tiles skip). They are a
-proxy for the issue slots one key tile costs a warp, not a timing.
+included (the masking of boundary tiles is a branch that interior tiles skip), and the body of
+a loop nested inside once however often it runs (:func:`inner_loops` counts those; the shipped
+kernels have none). They are a proxy for the issue slots one key tile costs a warp, not a
+timing.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 
 from . import nvrtc, source
 
-__all__ = ["LoopMix", "compile_cubin", "disassemble", "key_tile_loop", "loop_mix",
-           "nvdisasm_path", "variant_mix"]
+__all__ = ["LoopMix", "compile_cubin", "disassemble", "inner_loops", "key_tile_loop",
+           "loop_mix", "nvdisasm_path", "variant_mix"]
 
 #: Opcodes of the tensor-core instructions the kernels issue.
 MMA_OPCODES = ("HMMA", "DMMA")
@@ -117,6 +119,14 @@ def key_tile_loop(sass: str) -> list:
     return lines[best[0]:best[1] + 1]
 
 
+def inner_loops(loop: list) -> int:
+    """Loops nested in ``loop`` (lines from :func:`key_tile_loop`): branches back to a label
+    inside it, other than the loop's own closing branch. Their bodies are counted once."""
+    labels = {m.group(1): i for i, line in enumerate(loop) if (m := _LABEL.match(line))}
+    return sum(1 for i, line in enumerate(loop[:-1])
+               if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i)
+
+
 @dataclass(frozen=True)
 class LoopMix:
     """The instruction mix of one variant's key-tile loop (static counts)."""
@@ -125,6 +135,7 @@ class LoopMix:
     arch: str
     registers: int
     opcodes: dict            # opcode -> count in the loop body
+    inner_loops: int = 0     # loops nested in the body, counted once (see inner_loops)
 
     @property
     def instructions(self) -> int:
@@ -155,4 +166,6 @@ def variant_mix(spec, arch: str = "sm_90", *, overrides: dict | None = None) -> 
     cubin, log = compile_cubin(source.build_source(spec, overrides=overrides), arch,
                                name=f"{spec.key}.cu")
     usage = next(u for u in nvrtc.parse_ptxas_log(log) if u.name == f"cuonline_{spec.family}")
-    return LoopMix(spec.key, arch, usage.registers, loop_mix(disassemble(cubin)))
+    text = disassemble(cubin)
+    return LoopMix(spec.key, arch, usage.registers, loop_mix(text),
+                   inner_loops(key_tile_loop(text)))
