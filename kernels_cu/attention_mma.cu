@@ -331,7 +331,9 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
             col_bytes = col_bytes < 0 ? 0 : (col_bytes > 16 ? 16 : col_bytes);
         }
         // A chunk past `rows` copies 0 bytes and zero-fills: its address is formed, never read
-        // (cp.async with src-size 0).
+        // (cp.async with src-size 0). The pointer steps by src_step rather than being
+        // recomputed as src + k src_step: ptxas then keeps one pointer live, not one per chunk
+        // (f16 D = 64: 168 registers against 178).
         const T* src = tile + r_first * row_stride + col;
         const long long src_step = Own::kRowStep * row_stride;
         T* const dst = s + L::offset(r_first, col);
@@ -344,11 +346,10 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
             cp_async_16(d, src, r < rows ? col_bytes : 0);
         }
     } else {
-        Own::for_each([&](int r, int col) {
+        Own::for_each([&](int r, int col) {  // padded rows (D = 96): no constant steps
             int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
             bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-            cp_async_16(s + L::offset(r, col), bytes > 0 ? tile + r * row_stride + col : base,
-                        bytes);
+            cp_async_16(s + L::offset(r, col), tile + r * row_stride + col, bytes);
         });
     }
 #else
