@@ -272,22 +272,25 @@ typedef Acc OutT;  // partial, normalised out per split (workspace), merged by t
 typedef T OutT;
 #endif
 
-// The 16-byte chunks of a (kRows, kPadCols) tile that this thread moves. When the block's
-// threads cover whole rows of chunks (kThreads % kRowChunks == 0: every power-of-two width),
-// each thread keeps one chunk column and steps down the rows kRowStep at a time: its column,
-// its first shared-memory offset and its global address are worked out once per tile, and each
-// further chunk is one constant step away in both (fully unrolled; see load_tile).
+// The 16-byte chunks of a (kRows, kPadCols) tile that this thread moves. The first kLoaders
+// threads (whole rows of chunks: all of them for power-of-two widths, 120 of 128 for the 12
+// chunks of D = 96) each keep one chunk column and step down the rows kRowStep at a time: its
+// column, its first shared-memory offset and its global address are worked out once per tile,
+// and each further chunk is one constant step away in both (fully unrolled; see load_tile).
+// Rows wider than the block (f64 D = 128 on one warp) take a plain strided loop.
 template <int kRows, int kPadCols>
 struct OwnChunks {
     static constexpr int kRowChunks = kPadCols / kChunk;
-    static constexpr bool kOneColumn = kThreads % kRowChunks == 0;
-    static constexpr int kRowStep = kOneColumn ? kThreads / kRowChunks : 1;
+    static constexpr int kLoaders = kThreads / kRowChunks * kRowChunks;
+    static constexpr bool kOneColumn = kLoaders > 0;
+    static constexpr int kRowStep = kOneColumn ? kLoaders / kRowChunks : 1;
     static constexpr int kSteps = (kRows + kRowStep - 1) / kRowStep;  // kOneColumn only
 
     // f(r, col) for every chunk (r, col) of this thread
     template <class F>
     __device__ __forceinline__ static void for_each(F&& f) {
         if constexpr (kOneColumn) {
+            if (kLoaders < kThreads && int(threadIdx.x) >= kLoaders) return;
             const int col = int(threadIdx.x) % kRowChunks * kChunk;
             const int r_first = int(threadIdx.x) / kRowChunks;
 #pragma unroll
@@ -319,9 +322,10 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
 #if CUONLINE_CP_ASYNC
     (void)col_stride;
     if constexpr (Own::kOneColumn) {
-        // The lean path of every shipped power-of-two width: per chunk, one 64-bit pointer step,
-        // a row test and the copy. The swizzle repeats every 8 rows, so when kRowStep is a
-        // multiple of 8 the shared offsets are compile-time steps from the first one.
+        // The lean path: per chunk, one 64-bit pointer step, a row test and the copy. When
+        // kRowStep is a multiple of the layout's row period (8 for the swizzle, 1 for padded
+        // rows) the shared offsets are compile-time steps from the first one.
+        if (Own::kLoaders < kThreads && int(threadIdx.x) >= Own::kLoaders) return;
         const int col = int(threadIdx.x) % Own::kRowChunks * kChunk;
         const int r_first = int(threadIdx.x) / Own::kRowChunks;
         // bytes of this thread's column that lie inside kCols (16 unless D is padded)
@@ -341,12 +345,12 @@ __device__ __forceinline__ void load_tile(T* s, const T* base, long long row_str
         for (int k = 0; k < Own::kSteps; ++k, src += src_step) {
             const int r = r_first + k * Own::kRowStep;
             if (kRows % Own::kRowStep != 0 && r >= kRows) break;
-            T* d = Own::kRowStep % 8 == 0 ? dst + k * Own::kRowStep * L::kStride
-                                          : s + L::offset(r, col);
+            T* d = Own::kRowStep % L::kRowPeriod == 0 ? dst + k * Own::kRowStep * L::kStride
+                                                      : s + L::offset(r, col);
             cp_async_16(d, src, r < rows ? col_bytes : 0);
         }
     } else {
-        Own::for_each([&](int r, int col) {  // padded rows (D = 96): no constant steps
+        Own::for_each([&](int r, int col) {  // rows wider than the block
             int bytes = r < rows ? (kCols - col) * int(sizeof(T)) : 0;
             bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
             cp_async_16(s + L::offset(r, col), tile + r * row_stride + col, bytes);

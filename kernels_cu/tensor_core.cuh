@@ -515,6 +515,9 @@ struct Swizzle {
     static constexpr int kStride = kCols;  // elements per stored row (no padding)
     // Columns one XOR pattern spans: offsets are additive in whole spans (see split_offset).
     static constexpr int kSpan = kChunkElems * (kMask + 1);
+    // Rows after which the XOR pattern repeats: offset(r + kRowPeriod m, c) = offset(r, c) +
+    // kRowPeriod m kStride (kRowsPerLine (kMask + 1) = 8 for every width).
+    static constexpr int kRowPeriod = kRowsPerLine * (kMask + 1);
 
     // Physical chunk of logical chunk `chunk` in row `row`.
     __device__ __forceinline__ static int chunk(int row, int chunk) {
@@ -534,7 +537,8 @@ struct PaddedRows {
     static constexpr int kRowChunks = kCols / kChunkElems;
     static_assert(kCols % kChunkElems == 0, "a row must be whole 16-byte chunks");
     static constexpr int kStride = (kRowChunks | 1) * kChunkElems;  // elements per stored row
-    static constexpr int kSpan = 1;  // offsets are additive in any column
+    static constexpr int kSpan = 1;       // offsets are additive in any column
+    static constexpr int kRowPeriod = 1;  // and in any row
 
     __device__ __forceinline__ static int offset(int row, int col) { return row * kStride + col; }
 };

@@ -284,17 +284,20 @@ def check_swizzle(texts=None, entries=None):
     """Number of violated properties (tolerance 0) of the shared-memory tile layouts: rows
     stored at their stride without overlap, 16-byte chunks kept whole and aligned, and 8
     consecutive rows at one logical chunk in 8 different 16-byte bank groups (an ldmatrix
-    phase, or 8 lanes' 16-byte accesses, without bank conflicts), and split_offset agreeing
-    with offset."""
+    phase, or 8 lanes' 16-byte accesses, without bank conflicts), split_offset agreeing
+    with offset, and offsets repeating every kRowPeriod rows (8 or 1) one stride apart."""
     out = np.full((len(LAYOUTS), 16, 256), -1, np.int32)
     split = np.full((len(LAYOUTS), 16, 256), -2, np.int32)
     stride = np.zeros(len(LAYOUTS), np.int32)
+    period = np.zeros(len(LAYOUTS), np.int32)
     module("probes.cu", texts, entries or ["tc_swizzle_offsets"]).get_function(
-        "tc_swizzle_offsets")((1,), (128,), (out, split, stride))
+        "tc_swizzle_offsets")((1,), (128,), (out, split, stride, period))
     bad = 0
     for c, (cols, elem, expected_stride) in enumerate(LAYOUTS):
         off = out[c, :, :cols].astype(np.int64)
         bad += int(np.sum(split[c, :, :cols] != off))  # split_offset agrees with offset
+        p = int(period[c])                             # load_tile steps by it
+        bad += int(p not in (1, 8) or np.any(off[p:] != off[:16 - p] + p * stride[c]))
         per_chunk = 16 // elem
         bad += int(stride[c] != expected_stride)
         row_start = np.arange(16)[:, None] * stride[c]

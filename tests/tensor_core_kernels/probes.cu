@@ -34,34 +34,39 @@ extern "C" __global__ void tc_to_tf32(const float* x, unsigned* out, int n) {
 }
 
 // out[(c * 16 + row) * 256 + col] = L::offset(row, col) for 16 rows of each layout c (columns
-// past its width untouched) and stride[c] = L::kStride, for the layouts listed in the test;
+// past its width untouched), stride[c] = L::kStride and period[c] = L::kRowPeriod, for the
+// layouts listed in the test;
 // split[...] the same offset through split_offset, cut where the kernels cut it (a row block
 // of 8, a column block of 8 elements, the rest lane-dependent).
 template <class L, int kCols>
-__device__ __forceinline__ void layout_probe(int* out, int* split, int* stride, int c) {
+__device__ __forceinline__ void layout_probe(int* out, int* split, int* stride, int* period,
+                                             int c) {
     for (int i = threadIdx.x; i < 16 * kCols; i += blockDim.x) {
         const int row = i / kCols, col = i % kCols, at = c * 4096 + row * 256 + col;
         out[at] = L::offset(row, col);
         split[at] = cuonline::tc::split_offset<L>(row - row % 8, col - col % 8, row % 8, col % 8);
     }
-    if (threadIdx.x == 0) stride[c] = L::kStride;
+    if (threadIdx.x == 0) {
+        stride[c] = L::kStride;
+        period[c] = L::kRowPeriod;
+    }
 }
 
-extern "C" __global__ void tc_swizzle_offsets(int* out, int* split, int* stride) {
+extern "C" __global__ void tc_swizzle_offsets(int* out, int* split, int* stride, int* period) {
     using cuonline::tc::SmemTile;
     using cuonline::tc::Swizzle;
-    layout_probe<Swizzle<8, 2>, 8>(out, split, stride, 0);
-    layout_probe<Swizzle<16, 2>, 16>(out, split, stride, 1);
-    layout_probe<Swizzle<32, 2>, 32>(out, split, stride, 2);
-    layout_probe<Swizzle<64, 2>, 64>(out, split, stride, 3);
-    layout_probe<Swizzle<128, 2>, 128>(out, split, stride, 4);
-    layout_probe<Swizzle<256, 2>, 256>(out, split, stride, 5);
-    layout_probe<Swizzle<32, 4>, 32>(out, split, stride, 6);
-    layout_probe<Swizzle<16, 8>, 16>(out, split, stride, 7);
-    layout_probe<SmemTile<96, 2>, 96>(out, split, stride, 8);   // padded: 12 chunks -> stride 13
-    layout_probe<SmemTile<40, 2>, 40>(out, split, stride, 9);   // padded: 5 chunks, already odd
-    layout_probe<SmemTile<24, 4>, 24>(out, split, stride, 10);  // padded: 6 chunks -> stride 7
-    layout_probe<SmemTile<64, 2>, 64>(out, split, stride, 11);  // a power of two: the swizzle
+    layout_probe<Swizzle<8, 2>, 8>(out, split, stride, period, 0);
+    layout_probe<Swizzle<16, 2>, 16>(out, split, stride, period, 1);
+    layout_probe<Swizzle<32, 2>, 32>(out, split, stride, period, 2);
+    layout_probe<Swizzle<64, 2>, 64>(out, split, stride, period, 3);
+    layout_probe<Swizzle<128, 2>, 128>(out, split, stride, period, 4);
+    layout_probe<Swizzle<256, 2>, 256>(out, split, stride, period, 5);
+    layout_probe<Swizzle<32, 4>, 32>(out, split, stride, period, 6);
+    layout_probe<Swizzle<16, 8>, 16>(out, split, stride, period, 7);
+    layout_probe<SmemTile<96, 2>, 96>(out, split, stride, period, 8);   // padded: 12 chunks -> stride 13
+    layout_probe<SmemTile<40, 2>, 40>(out, split, stride, period, 9);   // padded: 5 chunks, already odd
+    layout_probe<SmemTile<24, 4>, 24>(out, split, stride, period, 10);  // padded: 6 chunks -> stride 7
+    layout_probe<SmemTile<64, 2>, 64>(out, split, stride, period, 11);  // a power of two: the swizzle
 }
 
 // Lane l copies 16 bytes from src + 16 l with src-size l % 17 into shared memory; out gets the
