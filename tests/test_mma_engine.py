@@ -309,13 +309,13 @@ def test_dispatch_picks_the_family():
 def test_mma_tiles_fit_the_budgets():
     for (arch, dtype, bucket), builtin in heuristics.MMA_TILES.items():
         for width in {bucket, bucket // 2 + 1}:
-            for lq in (1, 16, 17, 33, 4096):
+            for lq in (1, 16, 17, 33, 64, 65, 4096):
                 tiles = heuristics.choose_mma_tiles(dtype, width, width, lq, arch)
                 spec = MmaSpec(dtype=dtype, d=width, dv=width, **tiles._asdict())
                 assert spec.shared_bytes <= heuristics.SMEM_OPT_IN_LIMIT[arch], spec.key
                 rows = 16 * tiles.m_tiles
                 assert (tiles.warps - 1) * rows < lq       # no warp without a row
-                assert tiles.m_tiles == (1 if lq <= 16 else builtin.m_tiles)
+                assert tiles.m_tiles == (1 if lq <= 16 * builtin.warps else builtin.m_tiles)
                 assert tiles.warps <= builtin.warps
                 assert (tiles.block_n, tiles.stages) == (builtin.block_n, builtin.stages)
 
@@ -324,9 +324,13 @@ def test_plan_keys_are_readable():
     q, k, v, _ = make_case(1, lq=4096 // 64, lk=64, d=64, dv=64, dtype=np.float16)
     p = problem_of("emulate", q, k, v, causal=True)
     plan = heuristics.plan_attention(p)
-    # 64 queries: two warps of two 16-row query tiles each
-    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm64_mt2_bn32_s2_window"
-    assert plan.block == (64, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
+    # 64 queries: four warps of one 16-row query tile (two per warp from 65 queries on)
+    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm64_bn32_s2_window"
+    assert plan.block == (128, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
+    q, k, v, _ = make_case(1, lq=65, lk=64, d=64, dv=64, dtype=np.float16)
+    plan = heuristics.plan_attention(problem_of("emulate", q, k, v))
+    assert plan.spec.key == "attention_mma_f16_d64_dv64_bm96_mt2_bn32_s2"   # 3 x 32 rows
+    assert plan.block == (96, 1, 1)
     forced = heuristics.plan_attention(p, family="attention_fwd")
     assert forced.spec.family == "attention_fwd"
 
@@ -384,12 +388,12 @@ def test_ptx_holds_the_tensor_core_instructions(dtype):
 # mutants: deliberately broken kernels that the matrix must catch
 
 MMA_MUTANTS = {
-    # name: dtype id of the case that runs it
+    # name: dtype id of the case that runs it (49 query rows: 4 warps of one 16-row tile each)
     "mma_k_frag_swapped": "f16",
     "mma_tf32_pv_order": "tf32",
     "mma_no_cp_async_wait": "f16",
     "mma_no_stage_sync": "tf32",  # a race: the emulation runs warps out of step
-    "mma_m_tiles_share_p": "f16",  # the case's 49 rows take two query tiles per warp
+    "mma_m_tiles_share_p": "f16",  # run with 100 rows: 4 warps of two query tiles
     "no_rescale": "f64",       # common.cuh's SoftmaxState, shared with the SIMT family
 }
 
@@ -398,7 +402,8 @@ MMA_MUTANTS = {
 @pytest.mark.parametrize("name", sorted(MMA_MUTANTS))
 def test_mutants_fail_the_oracle_comparison(name):
     dt, precision = DTYPES[MMA_MUTANTS[name]]
-    q, k, v, _ = make_case(4, lq=49, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
+    lq = 100 if name == "mma_m_tiles_share_p" else 49
+    q, k, v, _ = make_case(4, lq=lq, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
     sources = mutant_sources(name)
     out, lse = run_mma("emulate", q, k, v, precision=precision, return_lse=True,
                        kernel_sources=sources)
@@ -414,8 +419,8 @@ def test_mutants_fail_the_oracle_comparison(name):
 _TSAN_SCRIPT = """
 import numpy as np
 import test_mma_engine as t
-# 4 key tiles; 40 rows: two warps of two query tiles (one warp alone would race with nobody)
-q, k, v, _ = t.make_case(1, lq=40, lk=200, d=32, dv=24, dtype=np.float16)
+# 4 key tiles; 80 rows: three warps of two query tiles
+q, k, v, _ = t.make_case(1, lq=80, lk=200, d=32, dv=24, dtype=np.float16)
 out, lse = t.run_mma("emulate", q, k, v, num_sms=1, return_lse=True,
                      kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", out.shape)

@@ -103,8 +103,8 @@ def tuned_tiles(tuned, family, dtype, width):
     """The stored winner of ``python -m cuonline tune`` for this family, dtype and head width.
 
     ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: :class:`MmaTiles`
-    ``(warps, block_n, stages, m_tiles)`` for ``"attention_mma"``, ``(warps, rows_per_warp, keys_per_lane)`` for
-    ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads and validates it).
+    ``(warps, block_n, stages, m_tiles)`` for ``"attention_mma"``, ``(warps, rows_per_warp,
+    keys_per_lane)`` for ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads and validates it).
     None or ``{}``: no winner, the built-in choice applies. Returns the tuple or None.
     """
     if not tuned:
@@ -213,9 +213,10 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
     # arch's shared-memory limit at the bucket's full width), else the built-in table.
     winner = tuned_tiles(tuned, "attention_mma", name, width)
     tiles = MmaTiles(*(winner or MMA_TILES[(arch, name, d_bucket(width))]))
-    # Few query rows: one query tile per warp up to 16 rows (decoding: one warp, no idle tile;
-    # the key split fills the GPU instead), then no warp without a row.
-    m_tiles = 1 if lq <= 16 else tiles.m_tiles
+    # Few query rows: two query tiles per warp only when one per warp would fill the block
+    # (else more warps, each with one tile, finish sooner; decoding: one warp, no idle tile,
+    # and the key split fills the GPU), then no warp without a row.
+    m_tiles = tiles.m_tiles if lq > 16 * tiles.warps else 1
     warps = max(1, min(tiles.warps, math.ceil(max(lq, 1) / (16 * m_tiles))))
     return tiles._replace(warps=warps, m_tiles=m_tiles)
 
