@@ -26,28 +26,33 @@ import json
 import subprocess
 from pathlib import Path
 
-from cuonline.kernels import sass
+from cuonline.kernels import heuristics, sass
 from cuonline.kernels.specs import MmaSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = ("attention_mma.cu", "common.cuh", "tensor_core.cuh", "attention_block.cuh",
                 "attention_combine.cuh")
 
-#: (label, spec): the tiles the heuristics ship for sm_90 at each dtype's common head sizes.
+
+
+def shipped(dtype, d, **flags):
+    """The variant the heuristics ship for sm_90 at head size ``d`` and a long sequence."""
+    tiles = heuristics.choose_mma_tiles(dtype, d, d, 4096, "sm_90")
+    return MmaSpec(dtype=dtype, d=d, dv=d, **tiles._asdict(), **flags)
+
+
+#: (label, spec): the shipped tiles at each dtype's common head sizes, and (``mt1``) the
+#: one-query-tile-per-warp tiles that the two-tile built-ins replaced.
 VARIANTS = [
-    ("f16 d64", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=32, stages=2,
-                        m_tiles=2)),
+    ("f16 d64", shipped("float16", 64)),
     ("f16 d64 mt1", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)),
-    ("f16 d128", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2)),
-    ("bf16 d128 lse", MmaSpec(dtype="bfloat16", d=128, dv=128, warps=4, block_n=64,
-                              stages=2, return_lse=True)),
-    ("f16 d128 mask", MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2,
-                              mask=True)),
-    ("tf32 d64", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2,
-                         m_tiles=2)),
+    ("f16 d128", shipped("float16", 128)),
+    ("bf16 d128 lse", shipped("bfloat16", 128, return_lse=True)),
+    ("f16 d128 mask", shipped("float16", 128, mask=True)),
+    ("tf32 d64", shipped("float32", 64)),
     ("tf32 d64 mt1", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2)),
-    ("f64 d64", MmaSpec(dtype="float64", d=64, dv=64, warps=4, block_n=16, stages=2)),
-    ("f64 d128", MmaSpec(dtype="float64", d=128, dv=128, warps=2, block_n=16, stages=1)),
+    ("f64 d64", shipped("float64", 64)),
+    ("f64 d128", shipped("float64", 128)),
 ]
 
 
@@ -81,7 +86,7 @@ def main(argv=None):
         now = sass.variant_mix(spec, args.arch)
         row.update(registers=now.registers, loop=now.instructions, mma=now.mma,
                    per_mma=round(now.per_mma, 2), integer=now.integer,
-                   ldsm_per_mma=round(now.opcodes.get("LDSM", 0) / now.mma, 3),
+                   ldsm_per_mma=round(now.ldsm_per_mma, 3),
                    inner_loops=now.inner_loops)
         # a revision without CUONLINE_M_TILES would compile one query tile per warp
         if before is not None and (spec.m_tiles == 1

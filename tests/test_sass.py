@@ -34,6 +34,8 @@ def test_loop_reader_takes_the_innermost_loop_around_every_mma():
     lines = sass.key_tile_loop(SAMPLE)
     assert lines[0] == ".L_x_4:" and "BRA `(.L_x_4)" in lines[-1]
     assert sass.loop_mix(SAMPLE) == {"LDSM": 1, "HMMA": 2, "BRA": 2, "FMUL": 1}
+    mix = sass.LoopMix("k", "sm_90", 0, sass.loop_mix(SAMPLE))
+    assert (mix.instructions, mix.mma, mix.per_mma, mix.ldsm_per_mma) == (6, 2, 3.0, 0.5)
     # a forward branch is no loop; a branch back inside the body is
     assert sass.inner_loops(lines) == 0
     nested = SAMPLE.replace("@!P0 BRA `(.L_x_5)", "FMUL R12, R12, 0.5").replace(

@@ -104,8 +104,9 @@ def tuned_tiles(tuned, family, dtype, width):
 
     ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: :class:`MmaTiles`
     ``(warps, block_n, stages, m_tiles)`` for ``"attention_mma"``, ``(warps, rows_per_warp,
-    keys_per_lane)`` for ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads and validates it).
-    None or ``{}``: no winner, the built-in choice applies. Returns the tuple or None.
+    keys_per_lane)`` for ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads
+    and validates it). None or ``{}``: no winner, the built-in choice applies. Returns the
+    tuple or None.
     """
     if not tuned:
         return None

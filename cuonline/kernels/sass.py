@@ -150,6 +150,11 @@ class LoopMix:
         return sum(self.opcodes.get(o, 0) for o in INTEGER_OPCODES)
 
     @property
+    def ldsm_per_mma(self) -> float:
+        """ldmatrix instructions per mma: each ldmatrix.x4 reads 512 bytes of shared memory."""
+        return self.opcodes.get("LDSM", 0) / self.mma
+
+    @property
     def per_mma(self) -> float:
         return self.instructions / self.mma
 

@@ -18,9 +18,9 @@ Four parts, the first, third and fourth of them pure or file-only (CPU-testable)
    the current GPU's file once per process (never at ``import cuonline``). A corrupt file, or
    one written by another cuonline version or for another GPU, is ignored with a warning.
 
-A tile tuple is ``(warps, block_n, stages, m_tiles)`` (:class:`~cuonline.kernels.heuristics.MmaTiles`)
-for the tensor-core family (``attention_mma``) and
-``(warps, rows_per_warp, keys_per_lane)`` for the SIMT family (``attention_fwd``). Winners are
+A tile tuple is :class:`~cuonline.kernels.heuristics.MmaTiles` ``(warps, block_n, stages,
+m_tiles)`` for the tensor-core family (``attention_mma``) and ``(warps, rows_per_warp,
+keys_per_lane)`` for the SIMT family (``attention_fwd``). Winners are
 keyed by ``(family, dtype, D bucket)``: the bucket is the smallest of 32, 64, 128, 256 that
 holds max(D, Dv), as in the built-in table, and candidates are checked at the bucket's full
 width, so a winner fits every narrower head too.
@@ -198,8 +198,8 @@ def candidates(arch, dtype, d, family=None, *, quick=False, smem_limit=None) -> 
     Notes
     -----
     Tensor cores: warps in {2, 4, 8}, key tiles of 16 to 128 keys, one or two stages, one or
-    two 16-row query tiles per warp; the fragments within :data:`MMA_REGISTER_WORDS` (:func:`mma_register_words`) and shared memory
-    within the opt-in limit. SIMT: 4 or 8 warps, 2 to 8 rows per warp, 1 or 2
+    two 16-row query tiles per warp; the fragments within :data:`MMA_REGISTER_WORDS`
+    (:func:`mma_register_words`) and shared memory within the opt-in limit. SIMT: 4 or 8 warps, 2 to 8 rows per warp, 1 or 2
     keys per lane, within the register and shared budgets of
     :func:`~cuonline.kernels.heuristics.choose_tiles`.
 
