@@ -257,13 +257,11 @@ def _neighbours(builtin, ladders):
 
 def tuning_dir() -> Path:
     """``$CUONLINE_CACHE_DIR/tuning``, else ``$XDG_CACHE_HOME/cuonline/tuning``, else
-    ``~/.cache/cuonline/tuning``."""
-    root = os.environ.get("CUONLINE_CACHE_DIR")
-    if root:
-        return Path(root) / "tuning"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "cuonline" / "tuning"
+    ``~/.cache/cuonline/tuning``: the cache rule of :func:`cuonline._environment.cache_root`,
+    which raises ValueError for a bad ``CUONLINE_CACHE_DIR``."""
+    from .. import _environment  # noqa: PLC0415
+
+    return _environment.cache_dir("tuning")
 
 
 def _version() -> str:

@@ -182,6 +182,12 @@ inline thread_local ThreadRec* self = nullptr;
 
 using Body = void (*)(void*);
 
+// A variable's text for a message ("" once unset: it is read once, at the first launch).
+inline const char* env_text(const char* name) {
+    const char* e = std::getenv(name);
+    return e ? e : "";
+}
+
 #if defined(CUEMU_MODE_FIBERS)
 // =============================================================================================
 // Fibers: all threads of a block are contexts on one OS thread.
@@ -349,11 +355,19 @@ struct StackPool {
     }
 };
 
+// $CUONLINE_EMULATE_STACK_KB: KiB per fiber stack, digits only, 64..1048576 (default 256).
+// emulate.py checks the value before every launch; one that reaches here anyway gives 0, and
+// the launch fails with a message instead of overflowing a tiny stack or the size itself.
 inline size_t stack_bytes() {
     static size_t n = [] {
         const char* e = std::getenv("CUONLINE_EMULATE_STACK_KB");
-        size_t kb = e ? std::strtoul(e, nullptr, 10) : 0;
-        return (kb ? kb : 256) * 1024;
+        if (!e || !*e) return size_t(256) * 1024;
+        size_t kb = 0;
+        for (const char* c = e; *c; ++c) {
+            if (*c < '0' || *c > '9' || kb > 1048576) return size_t(0);
+            kb = kb * 10 + size_t(*c - '0');
+        }
+        return kb >= 64 && kb <= 1048576 ? kb * 1024 : size_t(0);
     }();
     return n;
 }
@@ -361,6 +375,7 @@ inline size_t stack_bytes() {
 // Stacks with a guard page at the bottom, kept for the next launch.
 inline char* stack_top(StackPool& pool, size_t i) {
     if (pool.size == 0) pool.size = stack_bytes();
+    if (pool.size == 0) return nullptr;
     while (pool.stacks.size() <= i) {
         void* p = mmap(nullptr, pool.size + 4096, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -404,7 +419,12 @@ inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
         t.tid = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
         t.stack_top = stack_top(pool, i);
         if (!t.stack_top) {
-            std::snprintf(g_last_error, sizeof g_last_error, "cannot allocate fiber stacks");
+            if (stack_bytes() == 0)
+                std::snprintf(g_last_error, sizeof g_last_error,
+                              "CUONLINE_EMULATE_STACK_KB=%s is not an integer from 64 to 1048576",
+                              env_text("CUONLINE_EMULATE_STACK_KB"));
+            else
+                std::snprintf(g_last_error, sizeof g_last_error, "cannot allocate fiber stacks");
             return 1;
         }
     }
@@ -472,11 +492,15 @@ inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
 // =============================================================================================
 // Threads: one OS thread per CUDA thread.
 
+// $CUONLINE_EMULATE_WATCHDOG_S: a finite number of seconds > 0 (default 20).  emulate.py checks
+// it before every launch; a bad value that reaches here gives 0 and launch_impl refuses to run.
 inline double watchdog_seconds() {
     static double s = [] {
         const char* e = std::getenv("CUONLINE_EMULATE_WATCHDOG_S");
-        double v = e ? std::atof(e) : 0.0;
-        return v > 0 ? v : 20.0;
+        if (!e || !*e) return 20.0;
+        char* end = nullptr;
+        const double v = std::strtod(e, &end);
+        return *end == 0 && std::isfinite(v) && v > 0 ? v : 0.0;
     }();
     return s;
 }
@@ -570,6 +594,12 @@ inline Slot (&warp_slots())[2][32] { return g_launch->warps[self->warp].slots; }
 inline void warp_barrier() { g_launch->warps[self->warp].bar.arrive_and_wait(); }
 
 inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
+    if (watchdog_seconds() <= 0) {
+        std::snprintf(g_last_error, sizeof g_last_error,
+                      "CUONLINE_EMULATE_WATCHDOG_S=%s is not a finite number of seconds > 0",
+                      env_text("CUONLINE_EMULATE_WATCHDOG_S"));
+        return 1;
+    }
     const unsigned n = block.x * block.y * block.z;
     Launch L;
     L.n = n;

@@ -34,27 +34,49 @@ with libtsan preloaded: run the tests that use them in a subprocess with the env
 Environment
 -----------
 ``CUONLINE_CACHE_DIR``
-    Root of the on-disk cache (default ``~/.cache/cuonline``); libraries go in ``emulate/``.
+    Root of the on-disk cache (default ``$XDG_CACHE_HOME/cuonline``, else
+    ``~/.cache/cuonline``); libraries go in ``emulate/``.
 ``CXX``
     The C++20 compiler to use (default ``g++``, then ``c++``).
 ``CUONLINE_EMULATE_STACK_KB``
-    Stack size of each fiber (default 256).
+    Stack size of each fiber in KiB, 64 to 1048576 (default 256).
+``CUONLINE_EMULATE_WATCHDOG_S``
+    Seconds before a stuck barrier aborts in the threads mode (default 20).
+
+A bad value raises :class:`ValueError` naming the variable (``docs/environment.md``).
+
+The cache
+---------
+Only libraries that this user built are loaded.  The ``emulate/`` directory must belong to the
+user (it is made private, mode 0700, when it is theirs); each library must belong to the user,
+be writable by nobody else and match the SHA-256 recorded beside it (``KEY.sha256``, in
+``sha256sum`` format) when it was built.  A library that fails a check is rebuilt (with a
+:class:`RuntimeWarning` when it was foreign, open to others or damaged).  Libraries and records
+are published with :func:`os.replace`, so a reader sees a whole file or none.  A cache directory
+that cannot be made or is not the user's is replaced, for the process, by a private temporary
+one, with a warning naming ``CUONLINE_CACHE_DIR``.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
+
+from .. import _environment
 
 __all__ = [
     "EmulationError",
@@ -134,6 +156,15 @@ class EmulationError(RuntimeError):
     """A kernel failed under emulation (deadlock, partial mask, ``__trap``) or did not build."""
 
 
+class CompilerSettingError(ValueError, RuntimeError):
+    """``$CXX`` names no usable C++20 compiler.
+
+    A bad setting (:class:`ValueError`, naming the variable) that, like a machine with no
+    compiler at all, leaves the emulation unable to build (:class:`RuntimeError`, which
+    :func:`compiler_problem` and the test suite's skips look for).
+    """
+
+
 def header_path() -> Path:
     """Path of the CUDA-emulation header shipped with the package."""
     return Path(__file__).resolve().parent / "cuda_cpu.h"
@@ -143,65 +174,118 @@ def header_path() -> Path:
 # Compiler and cache
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("CUONLINE_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "cuonline"
-    return base / "emulate"
-
-
 _compiler_lock = threading.Lock()
-_compiler_info: tuple[str, str] | None = None
+#: ($CXX as set, compiler path, version line) of the last successful probe.
+_compiler_info: tuple[str | None, str, str] | None = None
 
 
 def _compiler() -> tuple[str, str]:
-    """(path, version line) of a C++20 compiler, or a RuntimeError saying what is needed."""
+    """(path, version line) of a C++20 compiler, or a RuntimeError saying what is needed.
+
+    A ``$CXX`` that names nothing runnable, or a compiler that is not C++20, raises
+    :class:`CompilerSettingError` naming the variable.  The probe is redone when ``$CXX``
+    changes.
+    """
     global _compiler_info
+    setting = os.environ.get("CXX") or None
     with _compiler_lock:
-        if _compiler_info is not None:
-            return _compiler_info
-        candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
-        found = None
-        for name in candidates:
-            path = shutil.which(name)
-            if path:
-                found = path
-                break
+        if _compiler_info is not None and _compiler_info[0] == setting:
+            return _compiler_info[1:]
+        try:
+            chosen = _environment.cxx()
+        except ValueError as exc:
+            raise CompilerSettingError(
+                f"{exc}. The CUDA emulation backend needs a C++20 compiler (g++ >= 11 or "
+                "clang++ >= 14); point CXX at one or unset it to use g++ from the PATH."
+            ) from None
+        candidates = [chosen] if chosen else ["g++", "c++"]
+        found = next((p for p in map(shutil.which, candidates) if p), None)
         if found is None:
             raise RuntimeError(
                 "the CUDA emulation backend needs a C++20 compiler (g++ >= 11 or clang++ >= 14) "
                 f"to build kernels for the CPU; none of {candidates} was found on the PATH. "
                 "Install one or point $CXX at it."
             )
+        # A failure of the compiler that $CXX chose is a bad setting; of the default, a missing
+        # prerequisite.
+        error = CompilerSettingError if chosen else RuntimeError
+        named = f"CXX={setting!r}: " if chosen else ""
         try:
-            version = subprocess.run(
-                [found, "--version"], capture_output=True, text=True, timeout=30
-            ).stdout.splitlines()[0]
+            version = _run_compiler([found, "--version"], timeout=30).stdout.splitlines()[0]
         except (OSError, subprocess.SubprocessError, IndexError) as exc:
-            raise RuntimeError(f"the C++ compiler {found!r} does not run: {exc}") from exc
-        probe = subprocess.run(
-            [found, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
-            input="#include <atomic>\n#include <bit>\nfloat f(unsigned x){return "
-            "std::bit_cast<float>(x);}\nvoid g(float* p){std::atomic_ref<float>(*p)"
-            ".fetch_add(1.0f);}\n",
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+            raise error(f"{named}the C++ compiler {found!r} does not run: {exc!r}") from exc
+        try:
+            probe = _run_compiler(
+                [found, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
+                input="#include <atomic>\n#include <bit>\nfloat f(unsigned x){return "
+                "std::bit_cast<float>(x);}\nvoid g(float* p){std::atomic_ref<float>(*p)"
+                ".fetch_add(1.0f);}\n",
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise error(f"{named}the C++ compiler {found!r} does not run: {exc!r}") from exc
         if probe.returncode != 0:
-            raise RuntimeError(
-                f"the C++ compiler {found!r} ({version}) cannot compile C++20 "
+            raise error(
+                f"{named}the C++ compiler {found!r} ({version}) cannot compile C++20 "
                 "(std::bit_cast, std::atomic_ref<float>); the CUDA emulation backend needs "
                 "g++ >= 11 or clang++ >= 14. Point $CXX at one.\n" + _trim(probe.stderr)
             )
-        _compiler_info = (found, version)
-        return _compiler_info
+        _compiler_info = (setting, found, version)
+        return found, version
+
+
+def _run_compiler(cmd: list[str], *, input: str | None = None, timeout: float | None = None,
+                  cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run a compiler command in a session of its own; on any exception, end all of it.
+
+    ``g++`` is a driver: the work runs in its children (``cc1plus``, ``as``, ``collect2``).
+    ``subprocess.run`` kills only the driver on Ctrl-C or a timeout, and an interrupt sent to
+    this process alone (a notebook, a test runner's timeout) never reaches them.  In a new
+    session the compiler's process group holds exactly its processes, so the group is ended on
+    ``KeyboardInterrupt`` or any other exception, which is then re-raised.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException:
+        _end_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """End the process group that `proc` leads, then reap `proc`.
+
+    SIGTERM first (the g++ driver then deletes its temporary files), SIGKILL a second later to
+    whatever is left: children may outlive the driver or ignore SIGTERM.
+    """
+    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)   # the group id is the leader's pid (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass                       # no process of the group is left
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
 
 
 def compiler_problem() -> str | None:
     """None when a C++20 compiler for the emulation is available, else why it is not."""
     try:
         _compiler()
-    except RuntimeError as exc:
+    except RuntimeError as exc:   # CompilerSettingError (a bad $CXX) included
         return str(exc)
     return None
 
@@ -390,6 +474,7 @@ def compile_module(
     names = _entry_points(source)
     if not names:
         raise ValueError('source defines no extern "C" __global__ void function')
+    _check_runtime_settings(mode)
     cxx, version = _compiler()
     header = header_path().read_text()
     flags = _flags(mode, tsan) + list(options)
@@ -399,31 +484,168 @@ def compile_module(
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
-            lib_path = _build(key, _instrument_shared(source) + _glue(names), names, cxx, flags)
+            lib_path = _cached_library(
+                key, lambda cache: _build(cache, key, _instrument_shared(source) + _glue(names),
+                                          names, cxx, flags))
             mod = EmulatedModule(lib_path, names, mode=mode, tsan=tsan)
             _modules[key] = mod
         return mod
 
 
-def _build(key: str, text: str, names: list[str], cxx: str, flags: list[str]) -> Path:
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"{key}.so"
-    if lib.exists():
-        return lib
-    with tempfile.TemporaryDirectory(dir=cache, prefix=f".build-{key[:8]}-") as tmp:
-        src = Path(tmp) / "kernel.cu"
-        src.write_text(text)
-        out = Path(tmp) / "kernel.so"
-        cmd = [cxx, *flags, "-include", str(header_path()), "-x", "c++", str(src), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise EmulationError(
-                f"compiling kernel(s) {', '.join(names)} for CPU emulation failed "
-                f"({Path(cxx).name} exit status {proc.returncode}):\n" + _trim(proc.stderr)
+def _check_runtime_settings(mode: str) -> None:
+    """Raise ValueError for a bad $CUONLINE_EMULATE_STACK_KB (fibers) or
+    $CUONLINE_EMULATE_WATCHDOG_S (threads) before the header reads it at a launch."""
+    if mode == "fibers":
+        _environment.emulate_stack_kb()
+    else:
+        _environment.emulate_watchdog_s()
+
+
+# ------------------------------------------------------------------------------------------------
+# The on-disk cache: only libraries this user built are loaded
+
+_PRIVATE_BITS = stat.S_IWGRP | stat.S_IWOTH
+_fallback_lock = threading.Lock()
+_fallback_dirs: dict[str, Path] = {}   # refused cache directory -> this process's private one
+
+
+def _cache_dir() -> Path:
+    """The directory of compiled libraries: ``cache_root()/emulate`` when it is this user's,
+    else a private temporary directory for the process (with a warning, once per directory).
+
+    Raises ValueError for a bad ``$CUONLINE_CACHE_DIR`` (relative, unknown ``~user``).
+    """
+    wanted = _environment.cache_dir("emulate")
+    problem = _private_dir_problem(wanted)
+    if problem is None:
+        return wanted
+    with _fallback_lock:
+        fallback = _fallback_dirs.get(str(wanted))
+        if fallback is None:
+            fallback = Path(tempfile.mkdtemp(prefix="cuonline-emulate-"))   # mode 0700
+            atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+            _fallback_dirs[str(wanted)] = fallback
+            warnings.warn(
+                f"cuonline: not using the emulation cache {wanted}: {problem}. Compiled kernels "
+                f"go to {fallback} for this process and are rebuilt in the next one; set "
+                "CUONLINE_CACHE_DIR to a directory of your own (its emulate/ part is made "
+                "private, mode 0700)",
+                RuntimeWarning,
+                stacklevel=4,
             )
-        os.replace(out, lib)  # atomic: concurrent builders of the same key are harmless
+        return fallback
+
+
+def _private_dir_problem(path: Path) -> str | None:
+    """None when `path` is (or is now made) a directory of this user's that only they can
+    write, else why it is not usable."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        return f"it cannot be created ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & _PRIVATE_BITS:
+        # Ours, but made with the umask's mode (earlier cuonline versions, umask 002): others
+        # may have written to it, which the per-file checks catch; from now on they cannot.
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            return f"others can write to it and it cannot be made private ({exc.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "this user cannot write to it"
+    return None
+
+
+def _read_own_file(path: Path, limit: int | None = None) -> tuple[bytes | None, str | None]:
+    """(content, None) of a regular file that this user owns and only they can write, else
+    (None, why not); why is None when the file does not exist.  Read through one descriptor,
+    so the checks apply to the bytes read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"it cannot be opened ({exc.strerror})"   # ELOOP: a symbolic link
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "it is not a regular file"
+        if st.st_uid != os.getuid():
+            return None, f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+        if st.st_mode & _PRIVATE_BITS:
+            return None, f"others can write to it (mode {stat.filemode(st.st_mode)})"
+        return f.read() if limit is None else f.read(limit), None
+
+
+def _verify(lib: Path, record: Path) -> str | None:
+    """None when `lib` may be loaded, ``""`` when it is simply not there (or has no record:
+    an earlier version's cache, a build cut short), else why it must not be loaded."""
+    data, why = _read_own_file(lib)
+    if data is None:
+        return "" if why is None else f"{lib.name}: {why}"
+    text, why = _read_own_file(record, limit=256)
+    if text is None:
+        return "" if why is None else f"{record.name}: {why}"
+    expected = text.split(b" ", 1)[0].decode("ascii", "replace")
+    if hashlib.sha256(data).hexdigest() != expected:
+        return f"{lib.name} does not match the SHA-256 recorded when it was built (damaged)"
+    return None
+
+
+def _cached_library(key: str, build) -> Path:
+    """The path of library `key` in the cache, verified; built first by ``build(cache)`` when
+    it is missing, foreign, open to others or damaged."""
+    cache = _cache_dir()
+    lib, record = cache / f"{key}.so", cache / f"{key}.sha256"
+    problem = _verify(lib, record)
+    if problem is None:
+        return lib
+    if problem:
+        warnings.warn(f"cuonline: rebuilding the cached emulation library in {cache}: {problem}",
+                      RuntimeWarning, stacklevel=4)
+    build(cache)
+    problem = _verify(lib, record)
+    if problem is not None:
+        raise EmulationError(f"the library just built for kernel key {key} in {cache} does not "
+                             f"verify: {problem or 'it is missing'}")
     return lib
+
+
+def _build(cache: Path, key: str, text: str, names: list[str], cxx: str,
+           flags: list[str]) -> None:
+    """Compile `text` and publish ``KEY.so`` and its ``KEY.sha256`` record in `cache`.
+
+    The build runs in a private directory inside `cache` with relative file names (so the
+    library's bytes do not depend on the directory's random name); each file is moved into
+    place with :func:`os.replace`, the library first: a reader sees whole files only, and a
+    library without its record, or with another build's, is rebuilt rather than loaded.
+    """
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f".build-{key[:8]}-") as tmp:
+        Path(tmp, "kernel.cu").write_text(text)
+        cmd = [cxx, *flags, "-include", str(header_path()), "-x", "c++", "kernel.cu",
+               "-o", "kernel.so"]
+        proc = _run_compiler(cmd, cwd=tmp)
+        what = f"compiling kernel(s) {', '.join(names)} for CPU emulation"
+        compiler = f"{Path(cxx).name}" + (" from $CXX" if os.environ.get("CXX") else "")
+        if proc.returncode != 0:
+            raise EmulationError(f"{what} failed ({compiler} exit status {proc.returncode}):\n"
+                                 + _trim(proc.stderr))
+        out = Path(tmp, "kernel.so")
+        if not out.is_file() or out.stat().st_size == 0:
+            raise EmulationError(
+                f"{what}: {cxx} ({compiler}) exited with status 0 but wrote no library; "
+                f"is CXX={os.environ.get('CXX', cxx)!r} a C++ compiler?\n" + _trim(proc.stderr))
+        os.chmod(out, 0o755)   # whatever the umask: a group-writable library would be refused
+        digest = hashlib.sha256(out.read_bytes()).hexdigest()
+        record = Path(tmp, "kernel.sha256")
+        record.write_text(f"{digest}  {key}.so\n")   # sha256sum -c reads it
+        os.chmod(record, 0o644)
+        os.replace(out, cache / f"{key}.so")
+        os.replace(record, cache / f"{key}.sha256")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,6 +723,7 @@ class EmulatedKernel:
         return f"<EmulatedKernel {self.name}({', '.join(self.signature)})>"
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0) -> None:
+        _check_runtime_settings(self.module.mode)   # the header reads them at the first launch
         grid = _dims(grid, "grid")
         block = _dims(block, "block")
         if any(g > m for g, m in zip(grid, _MAX_GRID)):
