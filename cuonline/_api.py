@@ -18,7 +18,7 @@ _CUDA_BACKENDS = ("cupy", "emulate")
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
               kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False,
-              precision="highest", backend="auto"):
+              precision="highest", backend="auto", workers=None):
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -70,6 +70,14 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         ``"auto"`` picks the engine of the array library of the inputs: NumPy arrays run on
         the NumPy engine, CuPy arrays on the CUDA engine. ``"emulate"`` runs the CUDA kernels
         on the CPU with NumPy arrays (needs a C++20 compiler; meant for testing).
+    workers : int, optional
+        Threads of the NumPy engine, as in ``scipy.fft``: None (default) uses every core this
+        process may run on (its CPU affinity), a positive int that many threads, a negative
+        int counts back from ``os.cpu_count()`` (-1 = all, -2 = all but one). While a call
+        runs, BLAS is held to one thread per worker and then given back its own count; a
+        call too small to split (one batch element, at most 256 queries and 512 keys) runs
+        in the calling thread and leaves BLAS alone. Results are the same for every
+        `workers`. No effect on the ``"cupy"`` and ``"emulate"`` engines.
 
     Returns
     -------
@@ -83,11 +91,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     ------
     TypeError
         Non-floating or mismatched dtypes, a non-boolean `mask`, arrays from different
-        libraries, or a `backend` that does not take the inputs' library.
+        libraries, a `backend` that does not take the inputs' library, or a `workers` that
+        is not an int or None.
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
         `scale` or `softcap` that is not finite (or ``softcap <= 0``), an unknown `backend`
-        or `precision`, ``precision="tf32"`` with inputs other than float32.
+        or `precision`, ``precision="tf32"`` with inputs other than float32, ``workers=0``
+        or ``workers < -os.cpu_count()``.
 
     See Also
     --------
@@ -126,7 +136,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     problem = _validate.validate_attention(
         q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
         kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
-        return_lse=return_lse, precision=precision, backend=backend,
+        return_lse=return_lse, precision=precision, backend=backend, workers=workers,
     )
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
     out, lse = engine.attention(problem)
@@ -141,20 +151,36 @@ def merge(*states):
     *states : (out, lse) pairs
         Each ``out`` of shape (..., Lq, Dv) and ``lse`` of shape (..., Lq), as returned by
         ``attention(..., return_lse=True)`` for the same queries over a part of the keys. All
-        pairs share one shape, dtype and array library.
+        pairs share one shape and array library; every ``out`` has one real floating dtype
+        and every ``lse`` one real floating dtype (attention's: float64 for float64 ``out``,
+        float32 otherwise).
 
     Returns
     -------
     out, lse : arrays
-        The result of attention over the union of the keys.
+        The result of attention over the union of the keys, ``out`` in the dtype of the
+        states' ``out`` and ``lse`` in that of their ``lse``. Computed in float64 if either
+        dtype is float64, else in float32.
+
+    Raises
+    ------
+    TypeError
+        A state that is not a pair, a non-floating ``out`` or ``lse`` (integer, boolean,
+        complex), dtypes that differ between states, arrays from different libraries or a
+        ``numpy.ma`` masked array.
+    ValueError
+        No state, or shapes that do not agree.
 
     Notes
     -----
     With :math:`M = \max_i L_i` and :math:`w_i = e^{L_i - M}`:
     :math:`L = M + \log \sum_i w_i` and :math:`o = \sum_i w_i o_i / \sum_i w_i`.
     A state with :math:`L = -\infty` (no visible key) has weight 0 whatever its ``out``; if
-    no state sees a key, ``out`` is 0 and ``lse`` is ``-inf``. The merge is associative and
-    independent of order, so keys may be split across chunks, devices or Dask tasks.
+    no state sees a key, ``out`` is 0 and ``lse`` is ``-inf``. A state with
+    :math:`L = +\infty` (infinite mass, the mark of an overflow upstream) makes its rows
+    ``lse = +inf`` and ``out`` NaN, as ``logsumexp`` would; a NaN ``lse`` makes both NaN. The
+    merge is associative and independent of order, so keys may be split across chunks, devices
+    or Dask tasks.
 
     Examples
     --------
@@ -167,29 +193,7 @@ def merge(*states):
     >>> bool(np.allclose(out, cuonline.attention(q, k, v)))
     True
     """
-    if not states:
-        raise ValueError("`merge` needs at least one (out, lse) state, got none")
-    outs, lses = [], []
-    for n, state in enumerate(states):
-        if not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise TypeError(
-                f"state {n} must be an (out, lse) pair, got {type(state).__name__}"
-            )
-        outs.append(state[0])
-        lses.append(state[1])
-    xp = _validate.array_namespace(**{f"states[{n}]": o for n, o in enumerate(outs + lses)})
-    outs = [xp.asarray(o) for o in outs]
-    lses = [xp.asarray(s) for s in lses]
-    for n, (o, s) in enumerate(zip(outs, lses)):
-        if o.ndim < 1 or o.shape[:-1] != s.shape:
-            raise ValueError(
-                f"state {n}: `out` must have shape lse.shape + (Dv,), got out {o.shape} "
-                f"and lse {s.shape}"
-            )
-        if o.shape != outs[0].shape:
-            raise ValueError(
-                f"state {n}: `out` has shape {o.shape} but state 0 has {outs[0].shape}"
-            )
+    xp, outs, lses = _validate.validate_merge(states)
     return _merge.merge_states(xp, outs, lses)
 
 

@@ -39,9 +39,12 @@ def accumulation_dtype(dtype) -> np.dtype:
     """Return the dtype in which scores, the softmax state and ``lse`` are held.
 
     float64 accumulates in float64; float32, float16 and bfloat16 accumulate in float32.
+    Compared by kind and size, so a float64 of either byte order (``'<f8'``, ``'>f8'``) is
+    float64 here; the result is always in native byte order.
     """
     dtype = np.dtype(dtype)
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    wide = dtype.kind == "f" and dtype.itemsize == 8
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 def diagonal_offset(lq: int, lk: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,10 @@ import numpy as np
 
 from . import _semantics
 
-__all__ = ["BACKENDS", "Problem", "array_namespace", "validate_attention", "validate_axis_input"]
+__all__ = [
+    "BACKENDS", "Problem", "array_namespace", "validate_attention", "validate_axis_input",
+    "validate_merge",
+]
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
 BACKENDS = ("auto", "numpy", "cupy", "emulate")
@@ -58,6 +62,7 @@ class Problem:
     mask: Any = None           # batch_shape + (lq, lk), bool, or None
     kv_lengths: Any = None     # batch_shape, int64, values clipped to [0, lk], or None
     alibi_slopes: Any = None   # batch_shape, acc_dtype, or None
+    workers: int | None = None  # NumPy engine threads, >= 1; None = every core it may use
 
     @property
     def nbatch(self) -> int:
@@ -90,6 +95,7 @@ def array_namespace(**named) -> Any:
     """
     seen = {}
     for name, x in named.items():
+        _refuse_masked(x, name)
         lib = _library(x)
         if lib is not None:
             seen.setdefault(lib, name)
@@ -113,18 +119,106 @@ def _as_array(xp, x, name):
         raise TypeError(f"`{name}` must be an array, got {type(x).__name__}: {exc}") from None
 
 
+def _refuse_masked(x, name):
+    # asarray would drop a numpy.ma mask without a word, computing with the masked-out values
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"`{name}` is a numpy.ma masked array, whose mask cuonline would ignore; pass its "
+            f"data (numpy.ma.getdata) and the entries to keep as the boolean `mask=` argument "
+            f"(True = keep, i.e. ~numpy.ma.getmaskarray(x))"
+        )
+
+
+def _as_strided(xp, x, shape, strides):
+    if xp is np:
+        return np.lib.stride_tricks.as_strided(x, shape=shape, strides=strides, writeable=False)
+    return xp.lib.stride_tricks.as_strided(x, shape=shape, strides=strides)
+
+
+def astype_view(xp, x, dtype):
+    """``x`` as ``dtype``, converting only the elements that the view ``x`` can reach.
+
+    A broadcast (zero-stride) or overlapping view, such as a Toeplitz bias built with
+    ``as_strided`` over ``Lq + Lk - 1`` values, reaches far fewer elements than its size:
+    ``x.astype`` would write every element of the view, here only the span of bytes between
+    the lowest and the highest element it touches is converted (one 1-d ``astype``), and the
+    same view (strides scaled by the itemsize ratio) is rebuilt over it. Memory is
+    ``O(min(span, size))``. A view whose span is at least its size is converted as usual.
+    """
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    itemsize = x.dtype.itemsize
+    if x.size == 0 or any(s % itemsize for s in x.strides):
+        return x.astype(dtype)
+    lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)   # bytes, <= 0
+    hi = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0)   # bytes, >= 0
+    span = (hi - lo) // itemsize + 1
+    if span >= x.size:
+        return x.astype(dtype)
+    # the element at byte offset `lo`: the last index on axes of negative stride, else the first
+    first = x[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(x.shape, x.strides))]
+    reach = _as_strided(xp, first.reshape(-1), (span,), (itemsize,))
+    if xp is np:
+        # elements between those of the view are converted too and may overflow the new dtype;
+        # they are never read, so their warnings would only mislead
+        with np.errstate(over="ignore", invalid="ignore"):
+            flat = reach.astype(dtype)
+    else:
+        flat = reach.astype(dtype)
+    strides = tuple(s // itemsize * dtype.itemsize for s in x.strides)
+    return _as_strided(xp, flat[-lo // itemsize:], x.shape, strides)
+
+
+def _native_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def _clip_python_ints(value, lk):
+    """``kv_lengths`` given as Python ints (or nested lists of them) beyond int64 would become an
+    object array: values above ``Lk`` mean all keys, so clip them to ``Lk`` first. Anything
+    else is returned as it came, for the usual checks."""
+    if _library(value) is not None:
+        return value
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - _as_array reports it with the argument's name
+        return value
+    if arr.dtype != object or not all(
+        isinstance(e, numbers.Integral) and not isinstance(e, (bool, np.bool_))
+        for e in arr.flat
+    ):
+        return value
+    if arr.size and min(arr.flat) < 0:
+        raise ValueError(f"`kv_lengths` must be >= 0, got minimum {min(arr.flat)}")
+    return np.array([min(int(e), lk) for e in arr.flat], dtype=np.int64).reshape(arr.shape)
+
+
+def _native(xp, x):
+    """``x`` in native byte order: the same dtype for every rule (precision, accumulation,
+    kernel variant). A non-native array is converted (over the span it reaches), since the
+    kernels and BLAS read native numbers only."""
+    if x.dtype.isnative:
+        return x
+    return astype_view(xp, x, x.dtype.newbyteorder("="))
+
+
 def _is_float_dtype(dtype) -> bool:
     return np.dtype(dtype).name in _FLOAT_NAMES
 
 
-def _check_float(x, name):
+def _check_float(x, name, *, label=None):
+    """TypeError unless ``x`` has a real floating dtype; ``label`` (default ```name```) is
+    how the message names the array."""
+    label = f"`{name}`" if label is None else label
     dt = np.dtype(x.dtype)
     if not _is_float_dtype(dt):
         kind = {"b": "boolean", "i": "integer", "u": "unsigned integer", "c": "complex"}.get(
             dt.kind, dt.name
         )
         raise TypeError(
-            f"`{name}` must have a real floating dtype (float16, bfloat16, float32 or float64), "
+            f"{label} must have a real floating dtype (float16, bfloat16, float32 or float64), "
             f"got {kind} dtype {dt.name}"
         )
 
@@ -174,7 +268,9 @@ def _check_real(value, name, *, positive=False):
     return value
 
 
-def _check_window(window):
+def _check_window(window, lq, lk):
+    """``(left, right)`` with ints >= 0 or None. A side of ``Lq + Lk`` or more reaches past
+    every key and becomes None (unbounded), so no engine does arithmetic with huge sides."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -190,8 +286,28 @@ def _check_window(window):
             )
         if side < 0:
             raise ValueError(f"`window` {side_name} side must be >= 0, got {int(side)}")
-        sides.append(int(side))
+        sides.append(None if side >= lq + lk else int(side))
     return tuple(sides)
+
+
+def _check_workers(value):
+    """``workers=`` as in ``scipy.fft``: None, a positive count, or a negative one counted back
+    from ``os.cpu_count()`` (-1 = all of them). Returns None or an int >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`workers` must be an int or None, got {type(value).__name__} {value!r}")
+    value = int(value)
+    cpus = os.cpu_count() or 1
+    if value == 0:
+        raise ValueError("`workers` must be a positive int, a negative int >= -os.cpu_count() "
+                         "or None, got 0")
+    if value < 0:
+        if value < -cpus:
+            raise ValueError(f"`workers` counts back from os.cpu_count() = {cpus} when "
+                             f"negative, so it must be >= {-cpus}, got {value}")
+        value += cpus + 1
+    return value
 
 
 def _check_matrix(x, name, dims):
@@ -207,7 +323,7 @@ def _check_matrix(x, name, dims):
 
 def validate_attention(
     q, k, v, *, scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap,
-    return_lse, backend, precision="highest",
+    return_lse, backend, precision="highest", workers=None,
 ) -> Problem:
     """Check the arguments of :func:`cuonline.attention` and build its :class:`Problem`."""
     xp = array_namespace(
@@ -220,9 +336,11 @@ def validate_attention(
     _check_matrix(v, "v", "Lk, Dv")
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         _check_float(x, n)
-    if not (q.dtype == k.dtype == v.dtype):
+    # byte order is storage, not dtype: '>f8' is float64 for every rule below
+    dtype_q, dtype_k, dtype_v = (_native_dtype(x.dtype) for x in (q, k, v))
+    if not (dtype_q == dtype_k == dtype_v):
         raise TypeError(
-            f"`q`, `k` and `v` must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}; "
+            f"`q`, `k` and `v` must share one dtype, got {dtype_q}, {dtype_k} and {dtype_v}; "
             f"convert them first, e.g. k.astype(q.dtype)"
         )
     lq, d = q.shape[-2:]
@@ -247,7 +365,7 @@ def validate_attention(
             f"{tuple(k.shape[:-2])} and `v` {tuple(v.shape[:-2])} do not broadcast together"
         ) from None
 
-    dtype = np.dtype(q.dtype)
+    dtype = dtype_q
     acc = _semantics.accumulation_dtype(dtype)
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _check_real(scale, "scale")
     softcap = None if softcap is None else _check_real(softcap, "softcap", positive=True)
@@ -258,8 +376,9 @@ def validate_attention(
     if precision == "tf32" and dtype != np.float32:
         raise ValueError(f"precision='tf32' applies to float32 inputs, got {dtype.name}")
     causal = _check_bool(causal, "causal")
+    workers = _check_workers(workers)
     return_lse = _check_bool(return_lse, "return_lse")
-    window = _semantics.effective_window(causal, _check_window(window))
+    window = _semantics.effective_window(causal, _check_window(window, lq, lk))
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
@@ -268,7 +387,8 @@ def validate_attention(
         if not _is_float_dtype(bias.dtype):
             hint = "; pass booleans as `mask=`" if bias.dtype == bool else ""
             raise TypeError(f"`bias` must have a real floating dtype, got {bias.dtype}{hint}")
-        bias = _broadcast_to(xp, bias.astype(acc, copy=False), scores_shape, "bias", scores_name)
+        bias = _broadcast_to(xp, bias, scores_shape, "bias", scores_name)
+        bias = astype_view(xp, bias, acc)   # converts what the view reaches, not its size
     if mask is not None:
         mask = _as_array(xp, mask, "mask")
         if mask.dtype != bool:
@@ -277,7 +397,7 @@ def validate_attention(
             )
         mask = _broadcast_to(xp, mask, scores_shape, "mask", scores_name)
     if kv_lengths is not None:
-        kv_lengths = _as_array(xp, kv_lengths, "kv_lengths")
+        kv_lengths = _as_array(xp, _clip_python_ints(kv_lengths, lk), "kv_lengths")
         if np.dtype(kv_lengths.dtype).kind not in "iu":
             raise TypeError(f"`kv_lengths` must be an integer array, got dtype {kv_lengths.dtype}")
         kv_lengths = _broadcast_to(xp, kv_lengths, batch, "kv_lengths", "the batch shape S")
@@ -285,7 +405,8 @@ def validate_attention(
             raise ValueError(
                 f"`kv_lengths` must be >= 0, got minimum {int(kv_lengths.min())}"
             )
-        kv_lengths = xp.minimum(kv_lengths, lk).astype(np.int64, order="C")
+        # xp.asarray: NumPy's minimum of 0-d arrays is a scalar, and the kernels take a pointer
+        kv_lengths = xp.asarray(xp.minimum(kv_lengths, lk)).astype(np.int64, order="C")
     if alibi_slopes is not None:
         alibi_slopes = _as_array(xp, alibi_slopes, "alibi_slopes")
         if not _is_float_dtype(alibi_slopes.dtype):
@@ -299,10 +420,11 @@ def validate_attention(
         xp=xp, backend=backend, batch_shape=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
         acc_dtype=acc, scale=scale, causal=causal, window=window, softcap=softcap,
         return_lse=return_lse, precision=precision,
-        q=xp.broadcast_to(q, batch + (lq, d)),
-        k=xp.broadcast_to(k, batch + (lk, d)),
-        v=xp.broadcast_to(v, batch + (lk, dv)),
+        q=xp.broadcast_to(_native(xp, q), batch + (lq, d)),
+        k=xp.broadcast_to(_native(xp, k), batch + (lk, d)),
+        v=xp.broadcast_to(_native(xp, v), batch + (lk, dv)),
         bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
+        workers=workers,
     )
 
 
@@ -326,8 +448,9 @@ def _check_same_device(**named):
 def validate_axis_input(x, axis, mask, backend):
     """Check ``(x, axis, mask, backend)`` of the softmax family.
 
-    Returns ``(xp, backend, x, axis, mask)`` with ``axis`` normalised to a non-negative int and
-    ``mask`` broadcast to ``x.shape`` (a view) or None.
+    Returns ``(xp, backend, x, axis, mask)`` with ``x`` in native byte order (a non-native
+    ``x`` is converted), ``axis`` normalised to a non-negative int and ``mask`` broadcast to
+    ``x.shape`` (a view) or None.
     """
     xp = array_namespace(x=x, mask=mask)
     backend = _check_backend(backend, xp)
@@ -343,4 +466,54 @@ def validate_axis_input(x, axis, mask, backend):
         if mask.dtype != bool:
             raise TypeError(f"`mask` must be a boolean array (True = keep), got dtype {mask.dtype}")
         mask = _broadcast_to(xp, mask, x.shape, "mask", "x.shape")
-    return xp, backend, x, axis, mask
+    return xp, backend, _native(xp, x), axis, mask
+
+
+# --------------------------------------------------------------------------------------------
+# merge
+
+
+def validate_merge(states):
+    """Check the ``(out, lse)`` states of :func:`cuonline.merge`.
+
+    Every ``out`` has one real floating dtype and shape ``(..., Lq, Dv)``; every ``lse`` one real
+    floating dtype (any: attention returns the accumulation dtype of ``out``) and shape
+    ``out.shape[:-1]``. Returns ``(xp, outs, lses)``, lists of arrays in native byte order.
+    """
+    if not states:
+        raise ValueError("`merge` needs at least one (out, lse) state, got none")
+    for n, state in enumerate(states):
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError(
+                f"state {n} must be an (out, lse) pair, got {type(state).__name__}"
+            )
+    named = {}
+    for n, (o, s) in enumerate(states):
+        named[f"states[{n}][0]"] = o
+        named[f"states[{n}][1]"] = s
+    xp = array_namespace(**named)
+    outs = [_as_array(xp, o, f"states[{n}][0]") for n, (o, _) in enumerate(states)]
+    lses = [_as_array(xp, s, f"states[{n}][1]") for n, (_, s) in enumerate(states)]
+    for n, (o, s) in enumerate(zip(outs, lses)):
+        _check_float(o, "", label=f"state {n}: `out`")
+        _check_float(s, "", label=f"state {n}: `lse`")
+        if o.ndim < 1 or o.shape[:-1] != s.shape:
+            raise ValueError(
+                f"state {n}: `out` must have shape lse.shape + (Dv,), got out {o.shape} "
+                f"and lse {s.shape}"
+            )
+        if o.shape != outs[0].shape:
+            raise ValueError(
+                f"state {n}: `out` has shape {o.shape} but state 0 has {outs[0].shape}"
+            )
+        for name, arrays in (("out", outs), ("lse", lses)):
+            here, first = _native_dtype(arrays[n].dtype), _native_dtype(arrays[0].dtype)
+            if here != first:
+                raise TypeError(
+                    f"state {n}: `{name}` has dtype {here} but state 0 has {first}; all states "
+                    f"must share one `{name}` dtype: convert them first"
+                )
+    if xp is not np:
+        _check_same_device(**{f"states[{n}][{i}]": x for n, (o, s) in enumerate(zip(outs, lses))
+                              for i, x in enumerate((o, s))})
+    return xp, [_native(xp, o) for o in outs], [_native(xp, s) for s in lses]

@@ -93,6 +93,24 @@ CASES = [
      r"state 0: `out` must have shape lse.shape \+ \(Dv,\), got out \(4, 2\) and lse \(3,\)"),
     ("merge not pair", lambda: cuonline.merge(np.zeros(3)), TypeError,
      r"state 0 must be an \(out, lse\) pair, got ndarray"),
+    ("masked q", lambda: cuonline.attention(np.ma.masked_array(q), k, v), TypeError,
+     r"`q` is a numpy.ma masked array, whose mask cuonline would ignore; .* `mask=`"),
+    ("masked bias", lambda: cuonline.attention(q, k, v, bias=np.ma.zeros((4, 5))), TypeError,
+     r"`bias` is a numpy.ma masked array"),
+    ("masked softmax x", lambda: cuonline.softmax(np.ma.masked_array([1.0, 2.0])), TypeError,
+     r"`x` is a numpy.ma masked array, .* ~numpy.ma.getmaskarray\(x\)"),
+    ("merge int out", lambda: cuonline.merge((np.ones((4, 2), int), np.zeros(4))), TypeError,
+     r"state 0: `out` must have a real floating dtype .* got integer dtype int64"),
+    ("merge complex lse", lambda: cuonline.merge((np.ones((4, 2)), np.zeros(4, complex))),
+     TypeError, r"state 0: `lse` must have a real floating dtype .* got complex dtype complex128"),
+    ("merge dtypes differ", lambda: cuonline.merge((np.ones((4, 2)), np.zeros(4)),
+                                                   (np.ones((4, 2), F), np.zeros(4))),
+     TypeError, r"state 1: `out` has dtype float32 but state 0 has float64; all states must "
+                r"share one `out` dtype"),
+    ("merge masked", lambda: cuonline.merge((np.ma.ones((4, 2)), np.zeros(4))), TypeError,
+     r"`states\[0\]\[0\]` is a numpy.ma masked array"),
+    ("kv_lengths huge negative", lambda: cuonline.attention(q, k, v, kv_lengths=[2**70, -2**70]),
+     ValueError, r"`kv_lengths` must be >= 0, got minimum -1180591620717411303424"),
 ]
 
 

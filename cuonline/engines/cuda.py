@@ -12,6 +12,7 @@ same text. CuPy is imported lazily: ``import cuonline`` never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -56,11 +57,28 @@ def attention(problem, *, num_sms=None, n_splits=None, kernel_sources=None,
     xp = p.xp
     out_shape = p.batch_shape + (p.lq, p.dv)
     lse_shape = p.batch_shape + (p.lq,)
-    if p.nbatch == 0 or p.lq == 0 or p.lk == 0 or p.dv == 0:
+    if p.nbatch == 0 or p.lq == 0 or p.lk == 0 or (p.dv == 0 and not p.return_lse):
         # Nothing to launch: no keys means every row is fully masked (out 0, lse -inf).
         out = xp.zeros(out_shape, dtype=p.dtype)
         lse = xp.full(lse_shape, -np.inf, dtype=p.acc_dtype)
         return out, (lse if p.return_lse else None)
+    if p.d == 0 or p.dv == 0:
+        # No kernel takes an empty head, and the contract needs no special case: D = 0 makes
+        # every q·k exactly 0, as one column of zeros in q and k does; Dv = 0 still has an lse,
+        # which one column of zeros in v leaves unchanged (that out column is dropped). The
+        # zeros are broadcast views: nothing of the batch size is allocated.
+        def zeros(rows):
+            return xp.broadcast_to(xp.zeros((1, 1), dtype=p.dtype), p.batch_shape + (rows, 1))
+
+        padded = p
+        if p.d == 0:
+            padded = dataclasses.replace(padded, d=1, q=zeros(p.lq), k=zeros(p.lk))
+        if p.dv == 0:
+            padded = dataclasses.replace(padded, dv=1, v=zeros(p.lk))
+        out, lse = attention(padded, num_sms=num_sms, n_splits=n_splits,
+                             kernel_sources=kernel_sources, emulate_options=emulate_options,
+                             family=family, arch=arch, tuned=tuned)
+        return (out[..., :0] if p.dv == 0 else out), lse
     if max(p.d, p.dv) > MAX_HEAD_DIM:
         raise ValueError(
             f"the CUDA engine supports head dimensions up to {MAX_HEAD_DIM}, got D = {p.d}, "
@@ -213,8 +231,12 @@ def kernel_arguments(p, plan, out, lse):
     q, k, v, bias, mask = arrays
     if mask is not None and xp is np:
         mask = mask.view(np.uint8)  # the kernel reads bytes (unsigned char*)
+    # (nbatch,) arrays: with batch shape () these are 0-d (or, for a NumPy minimum, scalars),
+    # and the kernel takes a pointer
+    kv_lengths, slopes = (None if x is None else xp.ascontiguousarray(xp.reshape(x, (-1,)))
+                          for x in (p.kv_lengths, p.alibi_slopes))
     return (
-        q, k, v, bias, mask, p.kv_lengths, p.alibi_slopes, out, lse, offsets, strides,
+        q, k, v, bias, mask, kv_lengths, slopes, out, lse, offsets, strides,
         np.int32(p.lq), np.int32(p.lk),
         acc(p.scale), acc(p.softcap if p.softcap is not None else 1.0),
         np.int64(UNBOUNDED if left is None else left),

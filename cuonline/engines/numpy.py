@@ -2,13 +2,13 @@
 
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
 there are too few such tasks to keep every core busy). Each task walks its keys in tiles of
-``BLOCK_K`` and keeps, per query row, the online-softmax state in base 2:
+``BLOCK_K`` and keeps, per query row, the online-softmax state in natural units:
 
-    m  running max of the scores seen so far (scores already multiplied by log2(e))
-    l  sum of exp2(s - m)
-    O  sum of exp2(s - m) * v        (unnormalised)
+    m  running max of the scores seen so far
+    l  sum of exp(s - m)
+    O  sum of exp(s - m) * v        (unnormalised)
 
-and rescales ``l`` and ``O`` by ``exp2(m_old - m_new)`` whenever the max grows. The matrix
+and rescales ``l`` and ``O`` by ``exp(m_old - m_new)`` whenever the max grows. The matrix
 products go to BLAS; NumPy's ufuncs and BLAS release the GIL, so tasks run in a thread pool with
 BLAS held to one thread per worker. Extra memory is a few ``BLOCK_Q x BLOCK_K`` tiles per worker
 plus the output: the ``Lq x Lk`` score matrix never exists.
@@ -16,6 +16,7 @@ plus the output: the ``Lq x Lk`` score matrix never exists.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -24,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import _semantics
-from .._semantics import LN2, LOG2E
 from .merge import merge_states
 
 # 256 x 512 float32 tiles: the score tile (512 KiB) stays in L2 while the two matmuls stream
@@ -34,7 +34,7 @@ BLOCK_K = 512
 
 
 def workers() -> int:
-    """Number of CPU cores this process may run on."""
+    """Number of CPU cores this process may run on: the thread count of ``workers=None``."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - macOS, Windows
@@ -42,7 +42,12 @@ def workers() -> int:
 
 
 def attention(p):
-    """Run the problem ``p`` (a :class:`cuonline._validate.Problem`); return ``(out, lse)``."""
+    """Run the problem ``p`` (a :class:`cuonline._validate.Problem`); return ``(out, lse)``.
+
+    The tasks run on ``p.workers`` threads (validated: None or a count >= 1; None means
+    :func:`workers`). The plan does not depend on ``p.workers``, so neither do the results.
+    """
+    n_workers = workers() if p.workers is None else p.workers
     out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
     blocks = _plan(p)
@@ -56,7 +61,7 @@ def attention(p):
         out[b][i0:i1], lse[b][i0:i1] = state
         return None
 
-    states = _run(tasks, run)
+    states = _run(tasks, run, n_workers)
     for (b, i0, i1), ranges in blocks.items():
         if len(ranges) > 1:
             parts = [s for t, s in zip(tasks, states) if t[:3] == (b, i0, i1)]
@@ -76,7 +81,8 @@ def _plan(p):
     A block visits the keys that any of its rows may see (window and causal band, keys below
     ``kv_lengths``), normally as one range. When there are fewer blocks than cores (a few
     queries scored against a long sequence, say), the range is split into whole-tile parts,
-    run as separate tasks and merged (see merge.py).
+    run as separate tasks and merged (see merge.py). The split counts the cores, not the
+    call's ``workers``, so that ``workers`` changes the speed and never the rounding.
     """
     block_q = min(BLOCK_Q, max(p.lq, 1))
     q_blocks = [(i0, min(i0 + block_q, p.lq)) for i0 in range(0, p.lq, block_q)]
@@ -97,31 +103,165 @@ def _plan(p):
     return plan
 
 
+def _run(tasks, fn, n_workers):
+    """``[fn(t) for t in tasks]`` on ``min(n_workers, len(tasks))`` threads.
+
+    A single task runs in the calling thread with BLAS as the user set it (its matrix products
+    are the only parallel work there is). Several tasks run with BLAS held to one thread, on
+    any number of workers alike, so results do not depend on ``n_workers``: one worker runs
+    them in the calling thread; ``n`` workers are the calling thread and ``n - 1`` threads of
+    the shared pool, pulling tasks from one queue. The caller always works too, so a call
+    progresses even while concurrent calls fill the pool, and each call runs on at most ``n``
+    threads whatever the pool's size.
+    """
+    if len(tasks) < 2:
+        return [fn(t) for t in tasks]
+    n = min(n_workers, len(tasks))
+    with _single_threaded_blas():
+        if n == 1:
+            return [fn(t) for t in tasks]
+        batch = _Batch(tasks, fn)
+        _submit(batch.drain, n - 1)
+        try:
+            batch.drain()
+            batch.done.wait()
+        finally:
+            batch.stop()                       # interrupted: the pool takes no further task
+    if batch.error is not None:
+        raise batch.error
+    return batch.results
+
+
+class _Batch:
+    """The tasks of one call, handed out one at a time to whichever thread asks first."""
+
+    def __init__(self, tasks, fn):
+        self.tasks, self.fn = tasks, fn
+        self.results = [None] * len(tasks)
+        self.error = None
+        self.done = threading.Event()          # set when no task is left or running
+        self._lock = threading.Lock()
+        self._next = 0
+        self._running = 0
+
+    def stop(self):
+        with self._lock:
+            self._next = len(self.tasks)
+
+    def drain(self):
+        while True:
+            with self._lock:
+                if self.error is not None or self._next == len(self.tasks):
+                    if self._running == 0:
+                        self.done.set()
+                    return
+                i = self._next
+                self._next += 1
+                self._running += 1
+            try:
+                self.results[i] = self.fn(self.tasks[i])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                with self._lock:
+                    self.error = self.error or exc
+            with self._lock:
+                self._running -= 1
+
+
+# The pool is shared by all calls and grows to the largest thread count asked for. Its threads
+# do not survive os.fork(), so a child starts with none (see _after_fork).
 _pool = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
-def _executor():
-    global _pool
+def _submit(job, count):
+    """Run ``job`` on ``count`` pool threads (without waiting for it)."""
+    global _pool, _pool_size
+    # submitting under the lock: a pool being replaced by a larger one is shut down, and a
+    # shut-down pool refuses new jobs (its queued and running jobs still finish)
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="cuonline")
-        return _pool
+        if _pool is None or _pool_size < count:
+            old = _pool
+            _pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuonline")
+            _pool_size = count
+            if old is not None:
+                old.shutdown(wait=False)
+        for _ in range(count):
+            _pool.submit(job)
 
 
-def _run(tasks, fn):
-    """``[fn(t) for t in tasks]``: on the pool with single-threaded BLAS when there are tasks
-    for several cores, else in this thread, letting BLAS use the cores itself."""
-    if len(tasks) >= 2 and workers() > 1:
-        with _blas_threads(1):
-            return list(_executor().map(fn, tasks))
-    return [fn(t) for t in tasks]
+# BLAS holds one process-wide thread count. Each call entering and leaving its own
+# threadpool_limits would interleave (A saves N and sets 1, B saves 1, A restores N, B
+# "restores" 1: the user's N is lost), so calls share one limit: the first call in sets it,
+# the last one out restores it. Both happen on one helper thread because threadpoolctl (3.8+)
+# lets only the thread that set OpenBLAS's limit change it again.
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
+_blas_thread = None
 
 
-def _blas_threads(n):
-    from threadpoolctl import threadpool_limits
+@contextlib.contextmanager
+def _single_threaded_blas():
+    _blas_enter()
+    try:
+        yield
+    finally:
+        _blas_exit()
 
-    return threadpool_limits(limits=n, user_api="blas")
+
+def _blas_enter():
+    global _blas_users, _blas_limiter, _blas_thread
+    with _blas_lock:
+        if _blas_users == 0:
+            if _blas_thread is None:
+                _blas_thread = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="cuonline-blas")
+            _blas_limiter = _blas_thread.submit(_limit_blas).result()
+        _blas_users += 1
+
+
+def _blas_exit():
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        _blas_users -= 1
+        if _blas_users == 0:
+            limiter, _blas_limiter = _blas_limiter, None
+            _blas_thread.submit(limiter.__exit__, None, None, None).result()
+
+
+_blas_controller = None
+
+
+def _limit_blas():
+    global _blas_controller
+    if _blas_controller is None:
+        # found once: a ThreadpoolController scans the loaded libraries (about 1 ms)
+        from threadpoolctl import ThreadpoolController
+
+        _blas_controller = ThreadpoolController().select(user_api="blas")
+    limiter = _blas_controller.limit(limits=1)
+    limiter.__enter__()                        # left in _blas_exit, on this same thread
+    return limiter
+
+
+def _after_fork():
+    """In a child of os.fork(): forget the parent's threads and locks (they are not copied; a
+    pool that believes it has idle threads would wait for them forever)."""
+    global _pool, _pool_size, _pool_lock, _blas_lock, _blas_users, _blas_limiter, _blas_thread
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+    limiter = _blas_limiter
+    _blas_lock, _blas_users, _blas_limiter, _blas_thread = threading.Lock(), 0, None, None
+    if limiter is not None:
+        # forked while a call in another thread held BLAS at one thread: give the child the
+        # user's count back, from a thread of its own as in _blas_exit
+        restore = threading.Thread(target=limiter.__exit__, args=(None, None, None))
+        restore.start()
+        restore.join()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,32 +276,30 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     left, right = p.window
     diag = np.arange(i0, i1) + _semantics.diagonal_offset(p.lq, p.lk)   # key aligned with row
 
-    # scores come out of the matmul in base 2: fold scale * log2(e) into the query block
-    qb = _blas_ready(p.q[b][i0:i1], acc_t) * acc_t.type(p.scale * LOG2E)
+    # Scores and the running max stay in natural units: any finite score is representable,
+    # whereas folding log2(e) in would overflow scores above max / 1.44. Only s - m <= 0 is
+    # exponentiated (np.exp: twice as fast as np.exp2 for float32, measured).
+    qb = _blas_ready(p.q[b][i0:i1], acc_t) * acc_t.type(p.scale)
     k, v = p.k[b], p.v[b]
-    cap2 = None if p.softcap is None else acc_t.type(p.softcap * LOG2E)
-    slope2 = None if p.alibi_slopes is None else acc_t.type(p.alibi_slopes[b] * LOG2E)
+    cap = None if p.softcap is None else acc_t.type(p.softcap)
+    slope = None if p.alibi_slopes is None else acc_t.type(p.alibi_slopes[b])
 
     m = np.full(n, -np.inf, dtype=acc_t)
     l = np.zeros(n, dtype=acc_t)
     o = np.zeros((n, p.dv), dtype=acc_t)
-    scratch = None
     for js in range(j_lo, j_hi, BLOCK_K):
         je = min(js + BLOCK_K, j_hi)
         # scores, (n, je - js)
         s = qb @ _blas_ready(k[js:je], acc_t).T
-        if cap2 is not None:                       # c * tanh(s / c), in base 2
-            s /= cap2
+        if cap is not None:                        # c * tanh(s / c)
+            s /= cap
             np.tanh(s, out=s)
-            s *= cap2
+            s *= cap
         if p.bias is not None:
-            if scratch is None or scratch.shape != s.shape:
-                scratch = np.empty_like(s)
-            np.multiply(p.bias[b][i0:i1, js:je], acc_t.type(LOG2E), out=scratch)
-            s += scratch
+            s += p.bias[b][i0:i1, js:je]
         cols = np.arange(js, je)
-        if slope2 is not None:                     # ALiBi: -slope * |i + Lk - Lq - j|
-            s -= slope2 * np.abs(diag[:, None] - cols[None, :]).astype(acc_t)
+        if slope is not None:                      # ALiBi: -slope * |i + Lk - Lq - j|
+            s -= slope * np.abs(diag[:, None] - cols[None, :]).astype(acc_t)
         # masking: the window band only where this tile crosses its edge
         if left is not None and js < diag[-1] - left:
             np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
@@ -170,29 +308,56 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         if p.mask is not None:
             np.copyto(s, -np.inf, where=~p.mask[b][i0:i1, js:je])
 
+        # Values at keys a row cannot see must not reach it, but 0 * NaN (or inf) in the
+        # matmul would. One reduction (finite sum => every value finite) keeps the plain
+        # matmul for finite tiles; otherwise the non-finite rows of V are zeroed for the
+        # matmul and their exact contribution added where the score is not -inf.
+        vt = _blas_ready(v[js:je], acc_t)
+        bad = None
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = np.isfinite(np.sum(vt))
+        if not finite:
+            bad = np.flatnonzero(~np.isfinite(vt).all(axis=1))
+            seen_bad = s[:, bad] != -np.inf                          # (n, n_bad)
+            v_bad = vt[bad]
+            vt = vt.copy()
+            vt[bad] = 0
+
         # rescale running state
         m_new = np.maximum(m, s.max(axis=1))
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(acc_t, copy=False)
-        alpha = np.exp2(m - m_safe)
-        s -= m_safe[:, None]
-        np.exp2(s, out=s)
+        with np.errstate(over="ignore"):           # s - m <= 0: -inf (weight 0) is right
+            alpha = np.exp(m - m_safe)
+            s -= m_safe[:, None]
+        np.exp(s, out=s)
         l *= alpha
         l += s.sum(axis=1)
         o *= alpha[:, None]
         # accumulate P·V
-        o += s @ _blas_ready(v[js:je], acc_t)
+        o += s @ vt
+        if bad is not None:
+            with np.errstate(invalid="ignore"):
+                part = np.where(seen_bad[:, :, None], s[:, bad, None] * v_bad[None], 0)
+            o += part.sum(axis=1)
         m = m_new
 
     with np.errstate(divide="ignore", invalid="ignore"):
         seen = l > 0
         o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
         o[np.isnan(l)] = np.nan
-        lse = (m + np.log2(l)) * acc_t.type(LN2)
+        lse = m + np.log(l)
     return o, lse.astype(acc_t, copy=False)
 
 
 def _blas_ready(x, dtype):
-    """``x`` as ``dtype`` in a layout BLAS takes without NumPy's slow fallback loop."""
+    """``x`` as ``dtype`` in a layout BLAS takes without NumPy's slow fallback loop.
+
+    ``x`` is one tile of one batch element (at most ``max(BLOCK_Q, BLOCK_K)`` rows of ``D`` or
+    ``Dv`` columns): batch broadcasts were indexed away by the caller, so a copy here, for a
+    zero-stride (broadcast) row or column axis, a strided view or another dtype, is bounded by
+    the tile and never by the broadcast size. BLAS takes no zero stride and the products need
+    every row, so a broadcast axis inside a tile is copied: there is no cheaper exact form.
+    """
     if x.dtype != dtype:
         return x.astype(dtype, order="C")
     if x.flags.c_contiguous or x.flags.f_contiguous:

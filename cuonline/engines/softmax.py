@@ -50,5 +50,8 @@ def softmax(xp, x, axis, mask):
 def log_softmax(xp, x, axis, mask):
     xa, shift, total = stats(xp, x, axis, mask)
     with _quiet(xp):
-        out = xp.where(total == 0, -xp.inf, xa - (shift + xp.log(total)))
+        # (x - m) first: x - m is exact near the max, and log(total) <= log(n) is small, so
+        # the result is a few ulp; x - (m + log(total)) would round m + log(total) at the
+        # magnitude of m (ulp(1e4) ~ 1e-3 in float32) and lose it all
+        out = xp.where(total == 0, -xp.inf, (xa - shift) - xp.log(total))
     return out.astype(x.dtype, copy=False)

@@ -1,0 +1,216 @@
+"""The NumPy engine's threads: ``workers=``, BLAS's thread count under concurrent calls, and
+``os.fork()`` after a threaded call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import threadpoolctl
+
+import cuonline
+from cuonline.engines import numpy as numpy_engine
+
+# 2 batch elements x 300 queries = 4 tasks (query blocks of 256): the threaded path
+POOL_SHAPE = (2, 300, 16)
+needs_cores = pytest.mark.skipif(numpy_engine.workers() < 2,
+                                 reason="default workers thread only with 2 or more cores")
+
+
+def blas_threads():
+    return [info["num_threads"] for info in threadpoolctl.threadpool_info()
+            if info["user_api"] == "blas"]
+
+
+def data(rng, batch, lq, lk, d, dtype=np.float32):
+    return (rng.standard_normal(batch + (lq, d)).astype(dtype),
+            rng.standard_normal(batch + (lk, d)).astype(dtype),
+            rng.standard_normal(batch + (lk, d)).astype(dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# fork
+
+
+FORK_SCRIPT = """
+import os, sys, time
+import numpy as np
+import cuonline
+
+kwargs = {kwargs}
+x = np.random.default_rng(0).standard_normal({shape}, dtype=np.float32)
+expected = cuonline.attention(x, x, x, **kwargs)       # starts the parent's pool threads
+pid = os.fork()
+if pid == 0:
+    ok = np.array_equal(cuonline.attention(x, x, x, **kwargs), expected)
+    os._exit(0 if ok else 3)
+# a child stuck waiting for its parent's threads must fail the test, not hang it
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        code = os.waitstatus_to_exitcode(status)
+        print("child exit", code)
+        sys.exit(code)
+    time.sleep(0.02)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+print("child hung in cuonline.attention")
+sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+@pytest.mark.parametrize("workers", [pytest.param(None, marks=needs_cores), 3])
+def test_a_forked_child_runs_threaded_attention(workers):
+    kwargs = {} if workers is None else {"workers": workers}
+    script = FORK_SCRIPT.format(kwargs=kwargs, shape=POOL_SHAPE)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# BLAS threads
+
+
+@pytest.mark.parametrize("workers", [pytest.param(None, marks=needs_cores), 4])
+def test_concurrent_calls_leave_the_blas_thread_count_as_it_was(rng, workers):
+    before = blas_threads()
+    if not before or min(before) < 2:
+        pytest.skip(f"BLAS runs on {before} threads here: a reset to 1 would not show")
+    kwargs = {} if workers is None else {"workers": workers}
+    # a mix: threaded calls, multi-task calls on one worker, single-task calls (BLAS left
+    # alone), from 8 threads released at once so that the calls overlap
+    q, k, v = data(rng, POOL_SHAPE[:1], POOL_SHAPE[1], POOL_SHAPE[1], POOL_SHAPE[2])
+    small = data(rng, (), 5, 40, 16)
+    calls = [(q, k, v, kwargs), (*small, {}), (q, k, v, {"workers": 1} if workers else {})]
+    expected = [cuonline.attention(a, b, c, **kw) for a, b, c, kw in calls]
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def client(n):
+        try:
+            barrier.wait()
+            for i in range(12):
+                a, b, c, kw = calls[(n + i) % len(calls)]
+                got = cuonline.attention(a, b, c, **kw)
+                np.testing.assert_array_equal(got, expected[(n + i) % len(calls)])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    clients = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=120)
+    assert blas_threads() == before
+    assert not errors, errors
+
+
+def test_a_failing_task_raises_in_the_caller_and_restores_blas(rng, monkeypatch):
+    before = blas_threads()
+    real = numpy_engine._attend
+
+    def attend(p, b, i0, i1, j_lo, j_hi):
+        if i0 > 0:
+            raise RuntimeError("task failed")
+        return real(p, b, i0, i1, j_lo, j_hi)
+
+    monkeypatch.setattr(numpy_engine, "_attend", attend)
+    q, k, v = data(rng, (3,), 600, 100, 8)
+    with pytest.raises(RuntimeError, match="task failed"):
+        cuonline.attention(q, k, v, workers=2)
+    assert blas_threads() == before
+    monkeypatch.setattr(numpy_engine, "_attend", real)
+    assert cuonline.attention(q, k, v, workers=2).shape == (3, 600, 8)   # the pool still works
+
+
+# --------------------------------------------------------------------------------------------
+# workers=
+
+
+CASES = {
+    "many blocks": ((3,), 600, 700, {}),
+    "few queries, split keys": ((), 5, 3000, {}),
+    "one task": ((), 200, 500, {}),
+    "options": ((2, 2), 300, 1100, {"causal": True, "kv_lengths": np.array([1000, 7])}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_results_do_not_depend_on_workers(rng, case):
+    batch, lq, lk, options = CASES[case]
+    q, k, v = data(rng, batch, lq, lk, 32)
+    ref_out, ref_lse = cuonline.attention(q, k, v, workers=1, return_lse=True, **options)
+    cpus = os.cpu_count()
+    for workers in (None, 2, 3, 7, -1, -cpus):
+        out, lse = cuonline.attention(q, k, v, workers=workers, return_lse=True, **options)
+        np.testing.assert_array_equal(out, ref_out, err_msg=f"workers={workers}")
+        np.testing.assert_array_equal(lse, ref_lse, err_msg=f"workers={workers}")
+
+
+def _busiest(monkeypatch, call, expected):
+    """The most tasks that ran at the same time during ``call()``. Each task waits (up to a
+    few seconds) until ``expected`` run at once, so that a slow thread start cannot hide one."""
+    real = numpy_engine._attend
+    changed = threading.Condition()
+    state = {"now": 0, "max": 0}
+
+    def attend(*args):
+        with changed:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+            changed.notify_all()
+            changed.wait_for(lambda: state["max"] >= expected, timeout=5)
+        try:
+            return real(*args)
+        finally:
+            with changed:
+                state["now"] -= 1
+
+    monkeypatch.setattr(numpy_engine, "_attend", attend)
+    call()
+    monkeypatch.setattr(numpy_engine, "_attend", real)
+    return state["max"]
+
+
+@pytest.mark.parametrize("workers, threads", [(1, 1), (2, 2), (5, 5), (None, 3), (-1, None)])
+def test_workers_is_the_number_of_threads(rng, monkeypatch, workers, threads):
+    monkeypatch.setattr(numpy_engine, "workers", lambda: 3)     # "all cores" = 3 here
+    if threads is None:
+        threads = os.cpu_count()
+    q, k, v = data(rng, (4,), 520, 64, 8)                         # 4 x 3 = 12 tasks
+    expected = min(threads, 12)
+    seen = _busiest(monkeypatch, lambda: cuonline.attention(q, k, v, workers=workers), expected)
+    assert seen == expected
+
+
+BAD_WORKERS = [
+    (0, ValueError, r"`workers` must be a positive int, a negative int >= -os.cpu_count\(\) "
+                    r"or None, got 0"),
+    (-(os.cpu_count() + 1), ValueError,
+     rf"`workers` counts back from os.cpu_count\(\) = {os.cpu_count()} when negative, so it "
+     rf"must be >= -{os.cpu_count()}, got -{os.cpu_count() + 1}"),
+    (1.5, TypeError, r"`workers` must be an int or None, got float 1.5"),
+    (True, TypeError, r"`workers` must be an int or None, got bool True"),
+    ("2", TypeError, r"`workers` must be an int or None, got str '2'"),
+]
+
+
+@pytest.mark.parametrize("value, error, message", BAD_WORKERS)
+def test_bad_workers_name_the_argument(rng, value, error, message):
+    q, k, v = data(rng, (), 4, 5, 3)
+    with pytest.raises(error, match=message):
+        cuonline.attention(q, k, v, workers=value)
+
+
+def test_workers_takes_numpy_integers(rng):
+    q, k, v = data(rng, (2,), 300, 30, 8)
+    np.testing.assert_array_equal(cuonline.attention(q, k, v, workers=np.int64(2)),
+                                  cuonline.attention(q, k, v, workers=1))
+
