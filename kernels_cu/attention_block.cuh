@@ -70,32 +70,33 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk,
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         long long split_keys                           /* keys per grid.z slice */
 
-// Raw score q·k -> the score in log2 units (the kernels' exp2 domain): scaled, or soft-capped
-// (cap tanh(scale q·k / cap)), plus the additive bias, minus the ALiBi penalty. The constants
-// are folded once per block (the ALiBi slope is the batch element's).
+// Raw score q·k -> the score in natural units: scaled, or soft-capped
+// (cap tanh(scale q·k / cap)), plus the additive bias, minus the ALiBi penalty. Natural units
+// keep every finite score representable: folding log2(e) into the scale (FlashAttention's
+// FFMA) overflows scores above FLT_MAX / 1.44 to inf (issue 10, item 8); log2(e) multiplies
+// only s - m <= 0, where overflow gives -inf, i.e. weight 0 (SoftmaxState::weight). The
+// constants are folded once per block (the ALiBi slope is the batch element's).
 template <class Acc>
 struct ScoreMap {
-    Acc log2e_;
 #if CUONLINE_HAS_SOFTCAP
-    Acc scale_over_cap, cap_log2;
+    Acc scale_over_cap, cap;
 #else
-    Acc scale_log2;
+    Acc scale_;
 #endif
 #if CUONLINE_HAS_ALIBI
-    Acc slope_log2;
+    Acc slope;
 #endif
 
     __device__ __forceinline__ ScoreMap(Acc scale, Acc softcap, const Acc* alibi, long long b) {
-        log2e_ = log2e(Acc());
 #if CUONLINE_HAS_SOFTCAP
         scale_over_cap = scale / softcap;
-        cap_log2 = softcap * log2e_;
+        cap = softcap;
 #else
         (void)softcap;
-        scale_log2 = scale * log2e_;
+        scale_ = scale;
 #endif
 #if CUONLINE_HAS_ALIBI
-        slope_log2 = alibi[b] * log2e_;
+        slope = alibi[b];
 #else
         (void)alibi;
         (void)b;
@@ -103,17 +104,17 @@ struct ScoreMap {
     }
     __device__ __forceinline__ Acc scaled(Acc qk) const {
 #if CUONLINE_HAS_SOFTCAP
-        return cap_log2 * tanh_(qk * scale_over_cap);
+        return cap * tanh_(qk * scale_over_cap);
 #else
-        return qk * scale_log2;
+        return qk * scale_;
 #endif
     }
-    __device__ __forceinline__ Acc bias(Acc value) const { return value * log2e_; }
+    __device__ __forceinline__ Acc bias(Acc value) const { return value; }
     // the ALiBi term of query i (diagonal-aligned: key i + diag) and key j
     __device__ __forceinline__ Acc alibi(long long i_diag, long long j) const {
 #if CUONLINE_HAS_ALIBI
         const long long dist = i_diag - j;
-        return slope_log2 * Acc(dist < 0 ? -dist : dist);
+        return slope * Acc(dist < 0 ? -dist : dist);
 #else
         (void)i_diag;
         (void)j;

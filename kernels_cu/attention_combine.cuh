@@ -45,7 +45,7 @@ cuonline_attention_combine(const CUONLINE_ACC* __restrict__ ws_out,
             const int col = lane + 32 * c;
             part_out[c] = col < kDv ? ws_out[part * kDv + col] : Acc(0);
         }
-        state.merge(ws_lse[part] * log2e(Acc()), part_out);
+        state.merge(ws_lse[part], part_out);
     }
     const Acc row_lse = state.finalize(state.l);
 #pragma unroll

@@ -66,28 +66,42 @@ typedef T OutT;
 
 // Stage rows [j0, j0 + kBlockN) x columns [0, kCols_) of K or V into sKV. Keys at or past
 // `key_end` (kv_lengths or Lk) are never read: their rows are zero, so padding may hold NaN.
-template <int kWidth>
-__device__ __forceinline__ void load_kv_tile(Acc* sKV, const T* base, long long row_stride,
+// kCleanV (the V tile): a non-finite value is staged as 0 and the result says this thread met
+// one, so that P·V never forms 0 * NaN for a key a row cannot see (see the fix-up below).
+template <int kWidth, bool kCleanV>
+__device__ __forceinline__ bool load_kv_tile(Acc* sKV, const T* base, long long row_stride,
                                              long long col_stride, long long j0,
                                              long long key_end) {
+    bool dirty = false;
     for (int idx = threadIdx.x; idx < kBlockN * kWidth; idx += kThreads) {
         const int r = idx / kWidth;
         const int c = idx - r * kWidth;
         const long long j = j0 + r;
-        sKV[r * kLdKV + c] = j < key_end ? to_acc(base[j * row_stride + c * col_stride]) : Acc(0);
+        Acc x = j < key_end ? to_acc(base[j * row_stride + c * col_stride]) : Acc(0);
+        if constexpr (kCleanV) {
+            const bool finite = is_finite_(x);
+            dirty = dirty || !finite;
+            x = finite ? x : Acc(0);
+        }
+        sKV[r * kLdKV + c] = x;
     }
+    return dirty;
 }
 
 }  // namespace fwd
 }  // namespace cuonline
 
-extern "C" __global__ void __launch_bounds__(cuonline::fwd::kThreads)
+// At least one block per SM, not ptxas's default target: with NVRTC 13.5 that default capped
+// some variants at 96-128 registers and spilled (sm_70, sm_75, sm_80); two blocks of 128
+// threads (what choose_tiles plans for) fit an SM at any register count up to 255.
+extern "C" __global__ void __launch_bounds__(cuonline::fwd::kThreads, 1)
 cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
 {
     using namespace cuonline;
     using namespace cuonline::fwd;
 
     CUONLINE_DYNAMIC_SHARED(CUONLINE_ACC, cuonline_fwd_smem);
+    __shared__ int s_dirty[kWarps];           // per warp: its V chunk held a non-finite value
     Acc* sQ = cuonline_fwd_smem;              // (kBlockM, kD)
     Acc* sKV = cuonline_fwd_smem + kBlockM * kD;  // (kBlockN, kLdKV)
 
@@ -105,7 +119,7 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
-    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in log2 units
+    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in natural units
 
     SoftmaxState<Acc, kCols> state[kRows];
 #pragma unroll
@@ -123,7 +137,7 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
         for (long long j0 = (j_lo / kBlockN) * kBlockN; j0 < j_hi; j0 += kBlockN) {
             // ---- load K tile (the barrier also keeps the previous V tile alive until read)
             __syncthreads();
-            load_kv_tile<kD>(sKV, k_b, strides[2 * kK], strides[2 * kK + 1], j0, key_end);
+            load_kv_tile<kD, false>(sKV, k_b, strides[2 * kK], strides[2 * kK + 1], j0, key_end);
             __syncthreads();
 
             // ---- scores: s[r][t] = q_row(r) . k_(j0 + lane + 32 t)
@@ -145,7 +159,7 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
                 }
             }
 
-            // ---- score transform (softcap, bias, ALiBi) and masking, in log2 units
+            // ---- score transform (softcap, bias, ALiBi) and masking, in natural units
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
                 const long long i = i0 + warp * kRows + r;
@@ -178,7 +192,7 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
                 }
             }
 
-            // ---- rescale running state to the new row max; p = exp2(s - m)
+            // ---- rescale running state to the new row max; p = exp(s - m)
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
                 Acc tile_max = s[r][0];
@@ -187,15 +201,28 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
                 const Acc m_use = state[r].rescale_to(warp_max(tile_max));
 #pragma unroll
                 for (int t = 0; t < kKeys; ++t) {
-                    s[r][t] = exp2_(s[r][t] - m_use);
+                    // an invisible key (score -inf) gets weight -0: the fix-up below tells
+                    // it from a visible weight that underflowed to +0
+                    const Acc p = SoftmaxState<Acc, kCols>::weight(s[r][t], m_use);
+                    s[r][t] = s[r][t] == neg_inf(Acc()) ? -Acc(0) : p;
                     state[r].l += s[r][t];
                 }
             }
 
             // ---- load V tile into the same buffer once every warp is done with K
             __syncthreads();
-            load_kv_tile<kDv>(sKV, v_b, strides[2 * kV], strides[2 * kV + 1], j0, key_end);
+            const bool dirty =
+                load_kv_tile<kDv, true>(sKV, v_b, strides[2 * kV], strides[2 * kV + 1], j0,
+                                        key_end);
+            {
+                const int warp_dirty = __any_sync(CUONLINE_FULL_MASK, dirty);
+                if (lane == 0) s_dirty[warp] = warp_dirty;
+            }
             __syncthreads();
+            // s_dirty is rewritten only after the next tile's first barrier: safe to read here
+            bool tile_dirty = false;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) tile_dirty = tile_dirty || s_dirty[w] != 0;
 
             // ---- accumulate P·V: lane owns columns lane + 32 c
 #pragma unroll
@@ -214,6 +241,37 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
                         const Acc p = __shfl_sync(CUONLINE_FULL_MASK, s[r][t], src);
 #pragma unroll
                         for (int c = 0; c < kCols; ++c) state[r].o[c] += p * vv[c];
+                    }
+                }
+            }
+            // ---- fix-up of a tile with non-finite values (staged as 0 above; rare, so they
+            //      are read again from global memory): each adds p * v to the rows whose
+            //      weight is not -0, i.e. that see the key. NaN stays in its own rows.
+            if (tile_dirty) {
+#pragma unroll 1
+                for (int jj = 0; jj < kBlockN; ++jj) {
+                    const int t = jj / 32, src = jj % 32;
+                    const long long j = j0 + jj;
+                    Acc p[kRows];
+#pragma unroll
+                    for (int r = 0; r < kRows; ++r) {
+                        // s[r][t] with a runtime t: select it rather than index registers
+                        Acc own = s[r][0];
+#pragma unroll
+                        for (int u = 1; u < kKeys; ++u) own = u == t ? s[r][u] : own;
+                        p[r] = __shfl_sync(CUONLINE_FULL_MASK, own, src);
+                    }
+                    if (j >= key_end) continue;
+#pragma unroll
+                    for (int c = 0; c < kCols; ++c) {
+                        const int col = lane + 32 * c;
+                        if (col >= kDv) continue;
+                        const Acc x = to_acc(v_b[j * strides[2 * kV] + col * strides[2 * kV + 1]]);
+                        if (is_finite_(x)) continue;
+#pragma unroll
+                        for (int r = 0; r < kRows; ++r)
+                            if (!(p[r] == Acc(0) && Acc(1) / p[r] < Acc(0)))  // not -0
+                                state[r].o[c] += p[r] * x;
                     }
                 }
             }

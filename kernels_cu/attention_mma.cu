@@ -33,7 +33,7 @@
 //   only the Ops traits below differ.
 //   Online softmax in that layout: each lane keeps the state of its two rows (m, its share of
 //   l, its columns of o); row maxima and sums reduce over the 4 lanes of a quad (shfl_xor 1, 2).
-//   P = exp2(S - m) becomes the A operand of P·V in registers (no shared-memory round trip).
+//   P = exp(S - m) becomes the A operand of P·V in registers (no shared-memory round trip).
 // Shared memory (dynamic, element type T, conflict-free layouts from tensor_core.cuh):
 //   sQ: (kBlockM, kDp)                      loaded once
 //   sK: (kStages, kBlockN, kDp)             ring of K tiles
@@ -410,7 +410,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
-    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in log2 units
+    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in natural units
 
     // Lane's rows: slot r = 2 mt + h is row row0 + 8 r (query tile mt, h = 0: row g, h = 1:
     // row g + 8). state[r].o[2 nv + c] is output column 8 nv + 2t + c of slot r: the C layout
@@ -505,7 +505,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                 }
             }
 
-            // ---- score transform (softcap, bias, ALiBi) and masking, in log2 units;
+            // ---- score transform (softcap, bias, ALiBi) and masking, in natural units;
             //      sc[mt][nt][2h + c] is slot 2 mt + h (row row0 + 16 mt + 8h), key
             //      j0 + 8 nt + 2t + c.
             // An interior tile (all rows < lq, all keys inside [j_lo, j_hi), which lies inside
@@ -571,7 +571,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                     }
                 }
 
-            // ---- rescale running state to the new row max (quad-wide); p = exp2(s - m)
+            // ---- rescale running state to the new row max (quad-wide); p = exp(s - m)
 #pragma unroll
             for (int r = 0; r < kSlots; ++r) {
                 const int mt = r / 2, h = r % 2;
@@ -583,7 +583,9 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                 for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const Acc p = exp2_weight(sc[mt][nt][2 * h + c] - m_use);
+                        // natural units: log2(e) multiplies only s - m <= 0 (common.cuh)
+                        const Acc p =
+                            exp2_weight((sc[mt][nt][2 * h + c] - m_use) * log2e(Acc()));
                         sc[mt][nt][2 * h + c] = p;
                         state[r].l += p;
                     }
@@ -620,7 +622,9 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
             // every warp is done with this stage before a later iteration refills it
             __syncthreads();
         }
-        cp_async_wait<0>();  // retire the trailing (empty) groups before exit
+        // barrier-redundant: the groups still in flight here are empty (tile n_tiles - 1 was
+        // waited for above); retired anyway so that no copy is ever in flight at exit
+        cp_async_wait<0>();
     }
 
     // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)

@@ -55,6 +55,12 @@ __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
 
+// NaN and +-inf fail the test (a NaN compares false); no bit casts, so the emulation needs none.
+__device__ __forceinline__ bool is_finite_(float x) { return (x < 0 ? -x : x) <= 3.40282347e38f; }
+__device__ __forceinline__ bool is_finite_(double x) {
+    return (x < 0 ? -x : x) <= 1.7976931348623157e308;
+}
+
 // log2(e) and ln(2) in the accumulation type (functions, not static members, so that no
 // constant lands in global memory).
 __device__ __forceinline__ float log2e(float) { return 1.44269504088896340736f; }
@@ -104,10 +110,13 @@ template <class Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
 // ---------------------------------------------------------------------------------------------
 // Online-softmax state of one query row, as seen by one lane of the warp that owns the row.
 //
-// Scores are in log2 units (log2(e) folded into the scale), so exp2 does the exponentials.
+// Scores and m are in natural units, so that any finite score is representable; exp2 does the
+// exponentials of (s - m) log2(e) (`weight`): s - m <= 0, and a product that overflows is
+// -inf, weight 0, which is exp(s - m) rounded. The cost against folding log2(e) into the
+// scale is one multiply per score (FADD + FMUL, where the fold needs one FFMA).
 //   m : running maximum of the scores seen so far (the same in every lane of the warp)
-//   l : this lane's share of sum_j exp2(s_j - m)  (summed across the warp only at the end)
-//   o : this lane's kCols output columns of sum_j exp2(s_j - m) * v_j  (columns lane + 32*c)
+//   l : this lane's share of sum_j exp(s_j - m)  (summed across the warp only at the end)
+//   o : this lane's kCols output columns of sum_j exp(s_j - m) * v_j  (columns lane + 32*c)
 // A row that has seen only masked keys keeps m = -inf, l = 0, o = 0; the guard in
 // `rescale_to` never forms (-inf) - (-inf).
 template <class Acc, int kCols> struct SoftmaxState {
@@ -122,13 +131,18 @@ template <class Acc, int kCols> struct SoftmaxState {
         for (int c = 0; c < kCols; ++c) o[c] = Acc(0);
     }
 
-    // Raise the running maximum to include `tile_max`; rescale l and o by exp2(m_old - m_new).
-    // Returns the offset to subtract from this tile's scores before exp2: the new maximum, or 0
+    // exp(s - m_use) as exp2((s - m_use) log2 e), for s <= m_use
+    __device__ __forceinline__ static Acc weight(Acc s, Acc m_use) {
+        return exp2_((s - m_use) * log2e(Acc()));
+    }
+
+    // Raise the running maximum to include `tile_max`; rescale l and o by exp(m_old - m_new).
+    // Returns the offset to subtract from this tile's scores before exp: the new maximum, or 0
     // while the row has seen nothing (then every score is -inf and exp2 gives exactly 0).
     __device__ __forceinline__ Acc rescale_to(Acc tile_max) {
         const Acc m_new = max_(m, tile_max);
         const Acc m_use = (m_new == neg_inf(Acc())) ? Acc(0) : m_new;
-        const Acc alpha = exp2_(m - m_use);  // m == -inf gives 0; l and o are 0 then anyway
+        const Acc alpha = weight(m, m_use);  // m == -inf gives 0; l and o are 0 then anyway
         m = m_new;
         l *= alpha;
 #pragma unroll
@@ -136,12 +150,12 @@ template <class Acc, int kCols> struct SoftmaxState {
         return m_use;
     }
 
-    // Merge a finished partial result given as (lse2, its normalised columns out_c), with lse2
-    // the log-sum-exp in log2 units: the state then holds sum_i exp2(lse2_i - m) * out_i.
-    // Used by the split-key combine, where each lane holds the whole l (not a share).
-    __device__ __forceinline__ void merge(Acc lse2, const Acc (&out)[kCols]) {
-        const Acc m_use = rescale_to(lse2);
-        const Acc w = exp2_(lse2 - m_use);  // lse2 == -inf gives 0: an empty part adds nothing
+    // Merge a finished partial result given as (lse_part, its normalised columns out_c), with
+    // lse_part in natural units: the state then holds sum_i exp(lse_i - m) * out_i. Used by the
+    // split-key combine, where each lane holds the whole l (not a share).
+    __device__ __forceinline__ void merge(Acc lse_part, const Acc (&out)[kCols]) {
+        const Acc m_use = rescale_to(lse_part);
+        const Acc w = weight(lse_part, m_use);  // -inf gives 0: an empty part adds nothing
         l += w;
 #pragma unroll
         for (int c = 0; c < kCols; ++c) o[c] += w * out[c];
@@ -158,7 +172,7 @@ template <class Acc, int kCols> struct SoftmaxState {
         const Acc inv = Acc(1) / l_total;
 #pragma unroll
         for (int c = 0; c < kCols; ++c) o[c] *= inv;
-        return (m + log2_(l_total)) * ln2(Acc());
+        return m + log2_(l_total) * ln2(Acc());  // m in natural units: no overflow
     }
 };
 

@@ -8,6 +8,7 @@ exactly once raises, so a kernel change cannot silently turn a mutant into the r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels_cu"
@@ -30,8 +31,8 @@ MUTANTS = {
     # No barrier between the P·V reads of one tile and the K load of the next: a race.
     "no_sync": (
         "attention_fwd.cu",
-        "            __syncthreads();\n            load_kv_tile<kD>(",
-        "            load_kv_tile<kD>(",
+        "            __syncthreads();\n            load_kv_tile<kD, false>(",
+        "            load_kv_tile<kD, false>(",
     ),
     # Tensor-core family: the K fragments of the two n-tiles of an ldmatrix.x4 mixed up (b0
     # takes n-tile 0's first register and n-tile 1's second): a wrong fragment layout.
@@ -79,3 +80,63 @@ def mutant_sources(name: str) -> dict:
     if text.count(find) != 1:
         raise ValueError(f"mutant {name}: the edited text occurs {text.count(find)} times in {file}")
     return {file: text.replace(find, replace)}
+
+
+# --------------------------------------------------------------------------------------------
+# generated: one mutant per barrier (__syncthreads, __syncwarp) and per cp.async wait
+
+#: The kernel files the families paste (kernels_cu/*.cu and *.cuh).
+BARRIER_FILES = tuple(sorted(p.name for p in KERNELS.glob("*.cu*")))
+#: A barrier with this marker on its line, or in the comment block right above it, is known to
+#: be redundant; the text after the colon (to the end of the comment) says why.
+REDUNDANT_MARKER = "// barrier-redundant:"
+_BARRIER_RE = re.compile(r"__syncthreads\(\)\s*;|__syncwarp\([^;]*\)\s*;"
+                         r"|cp_async_wait<[^;>]*>\(\)\s*;")
+
+
+def _barriers():
+    """``(file, offset, length, line number, kind, reason or None)`` per barrier call."""
+    out = []
+    for file in BARRIER_FILES:
+        text = (KERNELS / file).read_text(encoding="utf-8")
+        lines = text.split("\n")
+        for m in _BARRIER_RE.finditer(text):
+            line = text.count("\n", 0, m.start())
+            here = lines[line]
+            reason = None
+            if REDUNDANT_MARKER in here:
+                reason = here.split(REDUNDANT_MARKER, 1)[1].strip()
+            else:
+                # the comment block right above the call, read upwards
+                comment, up = [], line - 1
+                while up >= 0 and lines[up].strip().startswith("//"):
+                    comment.insert(0, lines[up].strip())
+                    up -= 1
+                starts = [i for i, c in enumerate(comment) if c.startswith(REDUNDANT_MARKER)]
+                if starts:
+                    words = [c[2:].strip() for c in comment[starts[-1]:]]
+                    reason = " ".join(words)[len(REDUNDANT_MARKER) - 2:].strip()
+            kind = m.group(0).split("(")[0].split("<")[0].strip("_")
+            out.append((file, m.start(), m.end() - m.start(), line + 1, kind, reason))
+    return out
+
+
+def barrier_mutants() -> dict:
+    """``{name: (file, offset, length)}``: each barrier or cp.async wait call of the kernels,
+    removed, unless marked :data:`REDUNDANT_MARKER`. Names read ``attention_mma.cu:473:
+    syncthreads`` (file, line, call); offsets are into the current text."""
+    return {f"{file}:{line}:{kind}": (file, offset, length)
+            for file, offset, length, line, kind, reason in _barriers() if reason is None}
+
+
+def barrier_skips() -> dict:
+    """``{name: reason}`` of the barriers marked redundant (the generator skips them)."""
+    return {f"{file}:{line}:{kind}": reason
+            for file, _, _, line, kind, reason in _barriers() if reason is not None}
+
+
+def barrier_mutant_sources(name: str) -> dict:
+    """``{kernel file name: text without that barrier}``, for ``kernel_sources=``."""
+    file, offset, length = barrier_mutants()[name]
+    text = (KERNELS / file).read_text(encoding="utf-8")
+    return {file: text[:offset] + text[offset + length:]}

@@ -1,7 +1,9 @@
 """Every kernel variant the dispatcher can select compiles with NVRTC, with no spill.
 
 Runs on machines without a GPU: NVRTC from the PyPI wheels compiles without a driver. Skipped,
-with the reason, where NVRTC or the CUDA headers are not installed.
+with the reason, where NVRTC or the CUDA headers are not installed. sm_70 needs a CUDA 12 NVRTC
+(CUDA 13 dropped it): ``pip install "nvidia-cuda-nvrtc-cu12==12.*"
+"nvidia-cuda-runtime-cu12==12.*"``; without one its cases skip with that reason.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from cuonline.kernels import nvrtc, source
-from cuonline.kernels.heuristics import SMEM_MAX, SMEM_OPT_IN_LIMIT
+from cuonline.kernels.heuristics import SMEM_OPT_IN_LIMIT, arch_number, simt_smem_limit
 
 pytestmark = pytest.mark.skipif(
     not nvrtc.nvrtc_available(),
@@ -18,11 +20,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 SPECS = nvrtc.listing_specs()
+# (spec, arch): each arch's listing (below sm_80 without the tensor-core family)
+CASES = [(s, a) for a in nvrtc.DEFAULT_ARCHS for s in nvrtc.listing_specs(a)]
 
 
-@pytest.mark.parametrize("arch", nvrtc.DEFAULT_ARCHS)
-@pytest.mark.parametrize("spec", SPECS, ids=[s.key for s in SPECS])
+@pytest.mark.parametrize(("spec", "arch"), CASES, ids=[f"{s.key}-{a}" for s, a in CASES])
 def test_variant_compiles_without_spills(spec, arch):
+    reason = nvrtc.arch_unavailable(arch)
+    if reason is not None:
+        pytest.skip(reason)
     report = nvrtc.compile_spec(spec, arch)
     names = {k.name for k in report.kernels}
     assert names == set(spec.entries()), report.log
@@ -32,8 +38,35 @@ def test_variant_compiles_without_spills(spec, arch):
         assert k.registers <= 255
     # SIMT blocks stay small enough for two per sm_80 SM; tensor-core blocks opt in to more
     # (their tiles are 16-bit or the accumulators are in registers) but must fit an sm_80 SM.
-    limit = SMEM_OPT_IN_LIMIT["sm_80"] if spec.family == "attention_mma" else SMEM_MAX
+    # SIMT blocks also fit sm_75's 64 KiB opt-in limit where they are listed for it.
+    limit = (SMEM_OPT_IN_LIMIT["sm_80"] if spec.family == "attention_mma"
+             else simt_smem_limit(arch))
     assert spec.shared_bytes <= limit
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_75"])
+def test_older_archs_list_only_the_families_that_run_there(arch):
+    specs = nvrtc.listing_specs(arch)
+    families = {s.family for s in specs}
+    assert families == {"attention_fwd", "softmax"}
+    # every dtype has SIMT attention variants there (the tensor-core dtypes included)
+    assert {s.dtype for s in specs if s.family == "attention_fwd"} == {
+        "float16", "bfloat16", "float32", "float64"}
+    # and sm_75's 64 KiB leaves out the float64 D = 256 block that sm_80 lists (72 KiB)
+    big = {s.key for s in nvrtc.listing_specs("sm_80") if s.family == "attention_fwd"
+           and s.dtype == "float64" and s.d == 256}
+    assert big and (arch == "sm_70") == (big <= {s.key for s in specs})
+
+
+def test_archs_the_installed_nvrtc_lacks_are_reported_with_the_install_line(monkeypatch):
+    monkeypatch.setattr(nvrtc, "_FALLBACK", [None])   # as if no CUDA 12 NVRTC were installed
+    if arch_number("sm_70") in nvrtc._backend().supported_archs():
+        pytest.skip("this NVRTC still compiles for sm_70")
+    reason = nvrtc.arch_unavailable("sm_70")
+    assert "nvidia-cuda-nvrtc-cu12" in reason and "sm_70" in reason
+    with pytest.raises(nvrtc.NvrtcUnavailable, match="sm_70"):
+        nvrtc.compile_source("extern \"C\" __global__ void f() {}", "sm_70")
+    assert nvrtc.arch_unavailable("sm_75") is None
 
 
 def test_listing_has_unique_readable_keys():

@@ -9,6 +9,7 @@ shows the registers and shared memory that each resulting variant really uses.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,8 +17,9 @@ import numpy as np
 
 from .specs import MMA_MAX_HEAD_DIM, KernelSpec, MmaSpec
 
-__all__ = ["D_BUCKETS", "MMA_TILES", "MmaTiles", "Plan", "choose_mma_tiles", "choose_splits",
-           "choose_tiles", "d_bucket", "plan_attention", "tuned_tiles", "uses_mma"]
+__all__ = ["D_BUCKETS", "MMA_TILES", "MmaTiles", "Plan", "arch_number", "choose_mma_tiles",
+           "choose_splits", "choose_tiles", "d_bucket", "mma_supported", "plan_attention",
+           "simt_smem_limit", "tuned_tiles", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
 WARPS = 4
@@ -34,8 +36,15 @@ MAX_SPLITS = 256
 MAX_GRID_X = 2**31 - 1
 #: Architecture assumed where none is known (the emulation, listings).
 DEFAULT_ARCH = "sm_90"
-#: Dynamic shared memory one block may opt into (sm_80: 163 KiB, sm_90: 227 KiB).
+#: Dynamic shared memory one block may opt into (sm_80: 163 KiB, sm_90: 227 KiB): the archs
+#: with a tensor-core tile table.
 SMEM_OPT_IN_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+#: The same limit on the archs that run only the SIMT family (V100: 96 KiB, T4: 64 KiB).
+SMEM_OPT_IN_LIMIT_SIMT_ONLY = {"sm_70": 96 * 1024, "sm_75": 64 * 1024}
+#: The tensor-core family needs sm_80: mma.sync for bf16, tf32 and f64 (m8n8k4 DMMA) and
+#: cp.async are sm_80 instructions. Older GPUs (V100 sm_70, T4 sm_75) run every dtype on the
+#: SIMT family.
+MIN_MMA_ARCH = 80
 
 #: Head-dimension buckets of the tile tables (and of `python -m cuonline tune`'s winners).
 D_BUCKETS = (32, 64, 128, 256)
@@ -94,6 +103,25 @@ for _arch in ("sm_80", "sm_90"):
                       (_arch, "float64", 128): MmaTiles(2, 16, 1)})
 
 
+def arch_number(arch: str) -> int:
+    """The compute capability of ``"sm_XY"`` (``"sm_90a"`` too) as the integer ``XY``."""
+    match = re.fullmatch(r"sm_(\d+)[a-z]?", str(arch))
+    if match is None:
+        raise ValueError(f"arch must look like 'sm_80' or 'sm_90', got {arch!r}")
+    return int(match.group(1))
+
+
+def mma_supported(arch: str) -> bool:
+    """Whether GPUs of ``arch`` run the tensor-core family (sm_80 and newer)."""
+    return arch_number(arch) >= MIN_MMA_ARCH
+
+
+def simt_smem_limit(arch: str = DEFAULT_ARCH) -> int:
+    """Dynamic shared memory a SIMT block may use on ``arch``: :data:`SMEM_MAX`, or less where
+    the arch's opt-in limit is lower (sm_75: 64 KiB)."""
+    return min(SMEM_MAX, SMEM_OPT_IN_LIMIT_SIMT_ONLY.get(arch, SMEM_MAX))
+
+
 def d_bucket(width: int) -> int:
     """The smallest of :data:`D_BUCKETS` that holds ``width`` (= max(D, Dv))."""
     return next(b for b in D_BUCKETS if width <= b)
@@ -132,8 +160,12 @@ def _shared_bytes(block_m, block_n, d, dv, acc_bytes):
     return (block_m * d + block_n * (max(d, dv) + 1)) * acc_bytes
 
 
-def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None):
+def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None,
+                 arch=DEFAULT_ARCH):
     """Return ``(warps, rows_per_warp, keys_per_lane)`` for one problem shape.
+
+    ``arch`` bounds the block's shared memory (:func:`simt_smem_limit`); a shape that cannot
+    fit it even with one row per warp (float64 heads above 226 on sm_75) raises ValueError.
 
     ``tuned``: winners stored by ``python -m cuonline tune`` (see :func:`tuned_tiles`); one for
     this dtype and D bucket replaces the built-in choice for long sequences (it was measured at
@@ -180,20 +212,33 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes) > SMEM_NO_OPT_IN
             or rows * 2 * words > 16):
         keys = 1
-    # Large heads in double: shrink the query tile until the block fits next to another one.
-    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes) > SMEM_MAX:
+    # Large heads in double: shrink the query tile until the block fits next to another one
+    # (and within the arch's opt-in limit: sm_75 allows 64 KiB).
+    limit = simt_smem_limit(arch)
+    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes) > limit:
         rows //= 2
+    need = _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes)
+    if need > limit:
+        raise ValueError(
+            f"{name} attention with D = {d}, Dv = {dv} needs {need} bytes of shared memory per "
+            f"block on the CUDA engine, more than {arch}'s {limit}; use backend='numpy' or a "
+            f"smaller head dimension"
+        )
     return warps, rows, keys
 
 
-def uses_mma(dtype, d, dv, precision="highest") -> bool:
-    """Whether the tensor-core family runs this problem (else the SIMT family).
+def uses_mma(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> bool:
+    """Whether the tensor-core family runs this problem on ``arch`` (else the SIMT family).
+
+    Never below sm_80 (:func:`mma_supported`): V100 and T4 run every dtype on the SIMT family.
 
     float16/bfloat16 always (f32 accumulation either way, and the tensor cores are ~15x the
     FMA peak); float64 on the FP64 tensor cores (exact f64 arithmetic, fused multiply-adds);
     float32 only with ``precision="tf32"``: the default keeps exact float32 products. Heads
     beyond :data:`~cuonline.kernels.specs.MMA_MAX_HEAD_DIM` take the SIMT family.
     """
+    if not mma_supported(arch):
+        return False
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if name == "float32" and precision != "tf32":
         return False
@@ -240,27 +285,30 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
     """Plan the launch of :class:`cuonline._validate.Problem` ``problem``.
 
     ``n_splits`` forces a number of key splits (tests); None lets :func:`choose_splits` decide.
-    ``arch`` (``"sm_80"``, ``"sm_90"``) selects the tensor-core tile table; ``cp_async`` says
+    ``arch`` (``"sm_70"`` ... ``"sm_90"``) selects the family and the tile tables; ``cp_async`` says
     whether q, k and v rows are 16-byte aligned with unit column stride (the host checks the
     strides and data pointers), else the tensor-core kernel loads element by element.
-    ``family`` forces ``"attention_fwd"`` (SIMT) or ``"attention_mma"``; None applies
-    :func:`uses_mma`. ``tuned`` maps ``(family, dtype, D bucket)`` to the tiles that
-    ``python -m cuonline tune`` measured fastest on this GPU (:func:`tuned_tiles`); None or
-    ``{}`` keeps the built-in choices.
+    ``family`` forces ``"attention_fwd"`` (SIMT) or ``"attention_mma"`` (sm_80 and newer); None
+    applies :func:`uses_mma`, which takes the SIMT family for every dtype below sm_80. ``tuned``
+    maps ``(family, dtype, D bucket)`` to the tiles that ``python -m cuonline tune`` measured
+    fastest on this GPU (:func:`tuned_tiles`); None or ``{}`` keeps the built-in choices.
     """
     dtype = np.dtype(problem.dtype)
     if family is None:
-        mma = uses_mma(dtype, problem.d, problem.dv, problem.precision)
+        mma = uses_mma(dtype, problem.d, problem.dv, problem.precision, arch)
     elif family in ("attention_mma", "attention_fwd"):
         mma = family == "attention_mma"
     else:
         raise ValueError(f"family must be 'attention_fwd' or 'attention_mma', got {family!r}")
+    if mma and not mma_supported(arch):
+        raise ValueError(f"family 'attention_mma' needs sm_{MIN_MMA_ARCH} or newer "
+                         f"(mma.sync, cp.async), got arch {arch!r}")
     if mma:
         tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned)
         block_m, block_n = 16 * tiles.m_tiles * tiles.warps, tiles.block_n
     else:
         warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                         problem.nbatch, num_sms, tuned)
+                                         problem.nbatch, num_sms, tuned, arch)
         block_m, block_n = warps * rows, 32 * keys
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:

@@ -3,10 +3,15 @@
 Used by ``python -m cuonline kernels`` (:func:`listing`) and by the compile tests. It needs only
 the NVRTC library (``pip install "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*"`` plus
 either ``cupy-cuda13x`` or ``cuda-bindings``); no driver, no GPU.
+
+CUDA 13's NVRTC compiles for sm_75 and newer only. For sm_70 (V100, run with ``cupy-cuda12x``)
+the listing uses a CUDA 12 NVRTC where one is installed (``pip install
+"nvidia-cuda-nvrtc-cu12==12.*" "nvidia-cuda-runtime-cu12==12.*"``), loaded with ctypes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -15,13 +20,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import source
-from .heuristics import choose_mma_tiles, choose_tiles
+from .heuristics import (DEFAULT_ARCH, arch_number, choose_mma_tiles, choose_tiles,
+                         mma_supported)
 from .specs import SOFTMAX_MODES, KernelSpec, MmaSpec, SoftmaxSpec
 
-__all__ = ["CompileReport", "NvrtcUnavailable", "compile_ptx", "compile_source", "compile_spec",
-           "cuda_include_dir", "listing", "listing_specs", "nvrtc_available"]
+__all__ = ["CompileReport", "NvrtcUnavailable", "arch_unavailable", "compile_ptx",
+           "compile_source", "compile_spec", "cuda_include_dir", "listing", "listing_specs",
+           "nvrtc_available"]
 
-DEFAULT_ARCHS = ("sm_80", "sm_90")
+#: The archs the compile tests cover: V100 (sm_70) and T4 (sm_75) run the SIMT and softmax
+#: families only, A100 (sm_80) and H100/H200 (sm_90) every family.
+DEFAULT_ARCHS = ("sm_70", "sm_75", "sm_80", "sm_90")
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -91,6 +100,9 @@ def cuda_include_dir() -> str | None:
 class _Backend:
     """The two NVRTC bindings that work without a driver, behind one small interface."""
 
+    #: CUDA headers for this NVRTC (None: :func:`cuda_include_dir`).
+    include = None
+
     def __init__(self):
         self.kind = None
         try:
@@ -109,6 +121,13 @@ class _Backend:
                 self.kind, self.lib = "cuda-bindings", nvrtc
         except Exception:  # noqa: BLE001
             pass
+
+    def supported_archs(self) -> tuple:
+        """The compute capabilities this NVRTC compiles for, e.g. ``(75, 80, ..., 121)``."""
+        if self.kind == "cupy":
+            return tuple(self.lib.getSupportedArchs())
+        err, archs = self.lib.nvrtcGetSupportedArchs()
+        return tuple(archs) if err == self.lib.nvrtcResult.NVRTC_SUCCESS else ()
 
     def compile(self, text, name, options, output="cubin"):
         """Return ``(ok, log, binary)``: the CUBIN, or with ``output="ptx"`` the PTX text."""
@@ -157,10 +176,69 @@ class _Backend:
             lib.nvrtcDestroyProgram(prog)
 
 
+class _CtypesBackend:
+    """A CUDA 12 NVRTC from the ``nvidia-cuda-nvrtc-cu12`` wheel, through ctypes: the NVRTC of
+    ``cupy-cuda12x`` users, and the only one here that still compiles for sm_70."""
+
+    kind = "ctypes"
+
+    def __init__(self, path: Path, include: str | None):
+        self.lib = ctypes.CDLL(str(path))
+        self.path, self.include = path, include
+
+    @classmethod
+    def find(cls):
+        """The first CUDA 12 NVRTC wheel on ``sys.path``, or None."""
+        for entry in sys.path:
+            root = Path(entry or ".") / "nvidia"
+            lib = root / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"
+            if lib.is_file():
+                include = root / "cuda_runtime" / "include"
+                try:
+                    return cls(lib, str(include) if (include / "cuda_fp16.h").is_file() else None)
+                except OSError:
+                    continue
+        return None
+
+    def supported_archs(self) -> tuple:
+        count = ctypes.c_int()
+        if self.lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)) != 0:
+            return ()
+        archs = (ctypes.c_int * count.value)()
+        return tuple(archs) if self.lib.nvrtcGetSupportedArchs(archs) == 0 else ()
+
+    def compile(self, text, name, options, output="cubin"):
+        """As :meth:`_Backend.compile`."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), name.encode(), 0, None,
+                                  None) != 0:
+            raise RuntimeError(f"nvrtcCreateProgram failed for {name}")
+        try:
+            opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            ok = lib.nvrtcCompileProgram(prog, len(options), opts) == 0
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            if not ok:
+                return ok, log, b""
+            get_size, get = ((lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if output == "ptx"
+                             else (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN))
+            get_size(prog, ctypes.byref(size))
+            out = ctypes.create_string_buffer(size.value)
+            get(prog, out)
+            return ok, log, (out.value.decode() if output == "ptx" else out.raw)
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 _BACKEND = None
+_FALLBACK = []   # [] not looked for yet, [None] none installed, [backend]
 
 
-def _backend() -> _Backend:
+def _backend(arch: str | None = None):
+    """The NVRTC that compiles for ``arch`` (None: the default one); raises NvrtcUnavailable."""
     global _BACKEND
     if _BACKEND is None:
         _BACKEND = _Backend()
@@ -170,7 +248,21 @@ def _backend() -> _Backend:
             "pip install cupy-cuda13x \"nvidia-cuda-nvrtc==13.*\" \"nvidia-cuda-runtime==13.*\" "
             "(or the cuda-bindings package)"
         )
-    return _BACKEND
+    if arch is None:
+        return _BACKEND
+    number = arch_number(arch)
+    supported = _BACKEND.supported_archs()
+    if not supported or number in supported:
+        return _BACKEND
+    if not _FALLBACK:
+        _FALLBACK.append(_CtypesBackend.find())
+    if _FALLBACK[0] is not None and number in _FALLBACK[0].supported_archs():
+        return _FALLBACK[0]
+    raise NvrtcUnavailable(
+        f"the installed NVRTC compiles for sm_{min(supported)} and newer, not {arch} (CUDA 13 "
+        f"dropped sm_70 and sm_72); for {arch} install a CUDA 12 NVRTC: pip install "
+        f"\"nvidia-cuda-nvrtc-cu12==12.*\" \"nvidia-cuda-runtime-cu12==12.*\""
+    )
 
 
 def nvrtc_available() -> bool:
@@ -181,9 +273,23 @@ def nvrtc_available() -> bool:
     return cuda_include_dir() is not None
 
 
-def compile_options(arch: str, *, verbose: bool = True) -> tuple:
-    """NVRTC options for a real compile: the same ones the CuPy engine passes (plus -v)."""
-    include = cuda_include_dir()
+def arch_unavailable(arch: str) -> str | None:
+    """Why variants cannot be compiled for ``arch`` here, or None when they can."""
+    try:
+        backend = _backend(arch)
+    except NvrtcUnavailable as exc:
+        return str(exc)
+    if (backend.include or cuda_include_dir()) is None:
+        return ('the CUDA headers (cuda_fp16.h) were not found: '
+                'pip install "nvidia-cuda-runtime==13.*"')
+    return None
+
+
+def compile_options(arch: str, *, verbose: bool = True, include: str | None = None) -> tuple:
+    """NVRTC options for a real compile: the same ones the CuPy engine passes (plus -v).
+
+    ``include``: the CUDA headers' directory (default :func:`cuda_include_dir`)."""
+    include = include or cuda_include_dir()
     if include is None:
         raise NvrtcUnavailable(
             "the CUDA headers (cuda_fp16.h) were not found: pip install \"nvidia-cuda-runtime==13.*\""
@@ -220,9 +326,9 @@ def parse_ptxas_log(log: str) -> tuple:
 
 def compile_source(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") -> tuple:
     """Compile ``text`` for ``arch``; return ``(log, seconds)``; raise RuntimeError on errors."""
-    backend = _backend()
+    backend = _backend(arch)
     t0 = time.perf_counter()
-    ok, log, _ = backend.compile(text, name, compile_options(arch))
+    ok, log, _ = backend.compile(text, name, compile_options(arch, include=backend.include))
     seconds = time.perf_counter() - t0
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
@@ -235,8 +341,9 @@ def compile_ptx(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") ->
     The PTX is the text ptxas assembled (``log`` holds its ``-v`` report): tests read it to
     check which instructions a kernel really issues. Raises RuntimeError on compile errors.
     """
-    backend = _backend()
-    ok, log, ptx = backend.compile(text, name, compile_options(arch), output="ptx")
+    backend = _backend(arch)
+    ok, log, ptx = backend.compile(text, name, compile_options(arch, include=backend.include),
+                                   output="ptx")
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
     return ptx, log
@@ -249,23 +356,26 @@ def compile_spec(spec, arch: str = "sm_90") -> CompileReport:
                          kernels=parse_ptxas_log(log), log=log)
 
 
-def _spec(dtype, d, dv, lq, *, split=False, **flags):
+def _spec(dtype, d, dv, lq, *, split=False, arch=DEFAULT_ARCH, **flags):
     acc = "float64" if dtype == "float64" else "float32"
-    warps, rows, keys = choose_tiles(dtype, d, dv, lq, nbatch=32)
+    try:
+        warps, rows, keys = choose_tiles(dtype, d, dv, lq, nbatch=32, arch=arch)
+    except ValueError:
+        return None   # does not fit this arch's shared memory: the planner refuses it too
     return KernelSpec(dtype=dtype, acc=acc, d=d, dv=dv, warps=warps, rows_per_warp=rows,
                       keys_per_lane=keys, split=split, **flags)
 
 
-def _mma_spec(dtype, d, dv, lq, *, cp_async=True, **flags):
+def _mma_spec(dtype, d, dv, lq, *, cp_async=True, arch=DEFAULT_ARCH, **flags):
     return MmaSpec(dtype=dtype, d=d, dv=dv, cp_async=cp_async,
-                   **choose_mma_tiles(dtype, d, dv, lq)._asdict(), **flags)
+                   **choose_mma_tiles(dtype, d, dv, lq, arch)._asdict(), **flags)
 
 
 _ALL_FLAGS = dict(window=True, bias=True, mask=True, kv_lengths=True, alibi=True, softcap=True,
                   return_lse=True)
 
 
-def _mma_listing_specs() -> list:
+def _mma_listing_specs(arch: str = DEFAULT_ARCH) -> list:
     """Tensor-core family: every dtype (float32 = TF32) x D in {32, 64, 96, 128, 256} (float64
     up to 128), Dv != D, each feature flag alone at D = 64 and all together at D = 64 and 128
     (f16 and tf32), all flags at f64 D = 64, the decoding shape (Lq = 1, split keys), split
@@ -274,49 +384,55 @@ def _mma_listing_specs() -> list:
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         dims = (32, 64, 96, 128) + ((256,) if dtype != "float64" else ())
         for d in dims:
-            specs.append(_mma_spec(dtype, d, d, 4096))
-        specs.append(_mma_spec(dtype, 128, 128, 1, split=True, return_lse=True))
-        specs.append(_mma_spec(dtype, 64, 64, 4096, cp_async=False, window=True))
+            specs.append(_mma_spec(dtype, d, d, 4096, arch=arch))
+        specs.append(_mma_spec(dtype, 128, 128, 1, split=True, return_lse=True, arch=arch))
+        specs.append(_mma_spec(dtype, 64, 64, 4096, cp_async=False, window=True, arch=arch))
     for dtype in ("float16", "float32"):
-        specs.append(_mma_spec(dtype, 128, 64, 4096))
+        specs.append(_mma_spec(dtype, 128, 64, 4096, arch=arch))
         for flag in _ALL_FLAGS:
-            specs.append(_mma_spec(dtype, 64, 64, 4096, **{flag: True}))
+            specs.append(_mma_spec(dtype, 64, 64, 4096, **{flag: True}, arch=arch))
         for d in (64, 128):
-            specs.append(_mma_spec(dtype, d, d, 4096, **_ALL_FLAGS))
+            specs.append(_mma_spec(dtype, d, d, 4096, **_ALL_FLAGS, arch=arch))
         # split keys at two query tiles per warp (a few hundred queries, many keys)
-        specs.append(_mma_spec(dtype, 64, 64, 4096, split=True, return_lse=True))
-    specs.append(_mma_spec("float16", 256, 256, 4096, **_ALL_FLAGS))
-    specs.append(_mma_spec("float64", 64, 64, 4096, **_ALL_FLAGS))
-    specs.append(_mma_spec("float64", 128, 128, 1, split=True, **_ALL_FLAGS))
+        specs.append(_mma_spec(dtype, 64, 64, 4096, split=True, return_lse=True, arch=arch))
+    specs.append(_mma_spec("float16", 256, 256, 4096, **_ALL_FLAGS, arch=arch))
+    specs.append(_mma_spec("float64", 64, 64, 4096, **_ALL_FLAGS, arch=arch))
+    specs.append(_mma_spec("float64", 128, 128, 1, split=True, **_ALL_FLAGS, arch=arch))
     return specs
 
 
-def listing_specs() -> list:
-    """A representative set of the variants the dispatcher selects.
+def listing_specs(arch: str = DEFAULT_ARCH) -> list:
+    """A representative set of the variants the dispatcher selects on ``arch``.
 
     SIMT family (float32 by default; the other dtypes where the tensor-core family does not
     take them, or when forced): every dtype x D in {32, 64, 128, 256} (long sequences, no
     options), plus for float32 and float16 at D = 64 and 128: Dv != D, each feature flag alone,
     causal+everything, and the decoding shape (Lq = 1, split keys). Then the tensor-core family
     (:func:`_mma_listing_specs`). Tile sizes come from the same heuristics as launches. Then
-    every variant of the softmax family (dtype x mode x mask).
+    every variant of the softmax family (dtype x mode x mask). Below sm_80 the tensor-core family
+    does not run (the dispatcher takes the SIMT family for every dtype): it is not listed.
     """
     specs = []
+
+    def simt(*args, **flags):  # the arch's tiles; None where it cannot run
+        return _spec(*args, arch=arch, **flags)
+
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for d in (32, 64, 128, 256):
-            specs.append(_spec(dtype, d, d, 4096))
-        specs.append(_spec(dtype, 128, 128, 1, split=True, return_lse=True))
+            specs.append(simt(dtype, d, d, 4096))
+        specs.append(simt(dtype, 128, 128, 1, split=True, return_lse=True))
     for dtype in ("float32", "float16"):
         for d in (64, 128):
-            specs.append(_spec(dtype, d, 2 * d if d < 256 else d // 2, 4096))
+            specs.append(simt(dtype, d, 2 * d if d < 256 else d // 2, 4096))
             for flag in ("window", "bias", "mask", "kv_lengths", "alibi", "softcap",
                          "return_lse"):
-                specs.append(_spec(dtype, d, d, 4096, **{flag: True}))
-            specs.append(_spec(dtype, d, d, 4096, window=True, bias=True, mask=True,
-                               kv_lengths=True, alibi=True, softcap=True, return_lse=True))
-    specs.append(_spec("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
-                       kv_lengths=True, alibi=True, softcap=True, return_lse=True))
-    specs.extend(_mma_listing_specs())
+                specs.append(simt(dtype, d, d, 4096, **{flag: True}))
+            specs.append(simt(dtype, d, d, 4096, window=True, bias=True, mask=True,
+                              kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    specs.append(simt("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
+                      kv_lengths=True, alibi=True, softcap=True, return_lse=True))
+    if mma_supported(arch):
+        specs.extend(_mma_listing_specs(arch))
     # softmax family: every variant (launch shapes are runtime parameters)
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         acc = "float64" if dtype == "float64" else "float32"
@@ -325,13 +441,13 @@ def listing_specs() -> list:
                 specs.append(SoftmaxSpec(dtype=dtype, acc=acc, mode=mode, mask=mask))
     seen, unique = set(), []
     for s in specs:
-        if s.key not in seen:
+        if s is not None and s.key not in seen:
             seen.add(s.key)
             unique.append(s)
     return unique
 
 
-def listing(arch: str = "sm_90") -> list:
+def listing(arch: str = DEFAULT_ARCH) -> list:
     """Compile every listed variant for ``arch``; one dict per variant.
 
     Keys: ``key``, ``arch``, ``registers`` (max over entry points), ``spill_stores``,
@@ -340,7 +456,7 @@ def listing(arch: str = "sm_90") -> list:
     ``seconds`` (compile time) and ``kernels`` (per entry point usage).
     """
     rows = []
-    for spec in listing_specs():
+    for spec in listing_specs(arch):
         report = compile_spec(spec, arch)
         row = report.as_dict()
         row["kernels"] = [asdict(k) for k in report.kernels]
