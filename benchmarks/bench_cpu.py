@@ -1,21 +1,31 @@
-"""CPU benchmark: cuonline's NumPy engine beside naive NumPy and torch, in one run.
+"""CPU benchmark: cuonline's NumPy engine beside torch's fused CPU kernel, in one run.
 
-    python benchmarks/bench_cpu.py [--lengths 1024 4096 16384] [--heads 8] [--dim 64]
-                                   [--causal] [--memory-length 32768] [--repeat 3]
+    python benchmarks/bench_cpu.py                      # the 16-case table of issue 11
+    python benchmarks/bench_cpu.py --lengths 16384 --dims 64 --dtypes float32
+    python benchmarks/bench_cpu.py --quick              # a tiny smoke run (CI)
 
-Prints throughput (GFLOP/s, counting 4 * Lq * Lk * D per head, halved when causal) and the
-peak extra memory that tracemalloc sees (NumPy's allocations; torch's own allocator is not
-traced, so its column reads near 0), for each engine side by side; a ratio line gives
-cuonline / torch from the same run. ``cuonline-blas`` is the same engine without its thread
-pool (one task at a time, BLAS threading itself), the alternative the pool was measured
-against. Naive NumPy (softmax(q k^T) v with the scores materialised) is skipped where its
-score matrix would exceed --naive-limit-gib. torch is used when importable. Finally it runs cuonline alone at --memory-length to show the memory bound.
+For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays:
+
+* ``cuonline``: ``cuonline.attention`` (NumPy engine, its thread pool);
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on 4-D inputs, which is what
+  selects torch's fused CPU flash kernel; the column ``torch path`` prints the backend torch
+  chose (``torch._fused_sdp_choice``), so a comparison against its unfused math path cannot pass
+  unnoticed;
+* ``naive``: ``softmax(q kᵀ) v`` with the scores materialised, where they fit --naive-limit-gib.
+
+Throughput counts 4 * Lq * Lk * D FLOPs per head, halved when causal. The BLAS ceiling (a
+2048 x 2048 matrix product per dtype, all cores) is measured in the same run and each engine's
+fraction of it printed. The summary gives the geometric mean and the worst of cuonline / torch.
+Finally cuonline alone at --memory-length reports its peak traced allocation beside the output
+size. Figures move with whatever else the machine does: compare ratios of one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
+import math
 import time
 import tracemalloc
 
@@ -25,7 +35,7 @@ import cuonline
 
 
 def naive(q, k, v, causal):
-    s = q @ np.swapaxes(k, -1, -2) * np.float32(1 / np.sqrt(q.shape[-1]))
+    s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(1 / math.sqrt(q.shape[-1]))
     if causal:
         s[..., np.triu(np.ones(s.shape[-2:], dtype=bool), 1)] = -np.inf
     s -= s.max(axis=-1, keepdims=True)
@@ -34,24 +44,15 @@ def naive(q, k, v, causal):
     return s @ v
 
 
-def blas_threaded(q, k, v, causal):
-    """cuonline's NumPy engine without its thread pool: tasks in one thread, BLAS threading
-    itself. The design alternative the pool is measured against."""
-    from cuonline.engines import numpy as numpy_engine
-
-    saved = numpy_engine.workers
-    numpy_engine.workers = lambda: 1
-    try:
-        return cuonline.attention(q, k, v, causal=causal)
-    finally:
-        numpy_engine.workers = saved
-
-
 def torch_sdpa():
+    """``(run, path)``: torch's SDPA on the given NumPy arrays and the name of the backend it
+    picks for them; ``(None, None)`` without torch."""
     try:
         import torch
+        from torch.nn.attention import SDPBackend
     except ImportError:
-        return None
+        return None, None
+    names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
 
     def run(q, k, v, causal):
         with torch.no_grad():
@@ -59,11 +60,15 @@ def torch_sdpa():
                 torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=causal
             ).numpy()
 
-    return run
+    def path(q, k, v, causal):
+        t = [torch.from_numpy(x) for x in (q, k, v)]
+        return names.get(int(torch._fused_sdp_choice(*t, None, 0.0, causal)), "unknown")
+
+    return run, path
 
 
-def measure(fn, repeat):
-    """Best wall time of ``repeat`` runs after one warm-up, and the peak traced allocation."""
+def best_seconds(fn, repeat):
+    """Best wall time of ``repeat`` runs after one warm-up."""
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -71,69 +76,203 @@ def measure(fn, repeat):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
-    gc.collect()
-    tracemalloc.start()
-    fn()
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return best, peak
+    return best
 
 
-def main():
+def blas_ceiling(dtype, repeat, n=2048):
+    """GFLOP/s of an n x n x n matrix product in ``dtype`` with all of BLAS's threads."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    return 2 * n**3 / best_seconds(lambda: a @ b, repeat) / 1e9
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--naive-limit-gib", type=float, default=4.0)
+    parser.add_argument("--naive-limit-gib", type=float, default=1.0)
     parser.add_argument("--memory-length", type=int, default=32768)
-    args = parser.parse_args()
+    parser.add_argument("--few-queries", action="store_true",
+                        help="also: a few queries against long keys (Lq 1 and 16, Lk to 10**6)")
+    parser.add_argument("--softmax", action="store_true",
+                        help="also: the softmax family beside scipy.special")
+    parser.add_argument("--plot", metavar="SVG",
+                        help="also: GFLOP/s against N (D 64, float32) for each engine, as SVG")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one repeat: checks that the script runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
+        args.memory_length = 1024
+        args.few_lengths, args.softmax_shape, args.plot_lengths = [4096], (64, 512), [256, 512]
+    else:
+        args.few_lengths, args.softmax_shape = [100_000, 1_000_000], (4096, 4096)
+        args.plot_lengths = [512, 1024, 2048, 4096, 8192, 16384]
 
-    torch_run = torch_sdpa()
-    engines = {
-        "cuonline": lambda q, k, v, c: cuonline.attention(q, k, v, causal=c),
-        "cuonline-blas": blas_threaded,
-        "naive-numpy": naive,
-    }
-    if torch_run is not None:
-        engines["torch-sdpa"] = torch_run
+    torch_run, torch_path = torch_sdpa()
     from cuonline.engines.numpy import workers
 
-    print(f"H={args.heads} D={args.dim} float32 causal={args.causal}; {workers()} cores; "
-          f"torch {'found' if torch_run else 'not installed'}")
-    print(f"{'N':>6} {'engine':<13} {'GFLOP/s':>9} {'peak MiB':>10}")
-    rng = np.random.default_rng(0)
-    for n in args.lengths:
-        q, k, v = (rng.standard_normal((args.heads, n, args.dim), dtype=np.float32)
-                   for _ in range(3))
-        flops = 4 * args.heads * n * n * args.dim / (2 if args.causal else 1)
-        results = {}
-        for name, fn in engines.items():
-            if name == "naive-numpy" and args.heads * n * n * 4 / 2**30 > args.naive_limit_gib:
-                print(f"{n:>6} {name:<13} {'skipped: scores would need':>20} "
-                      f"{args.heads * n * n * 4 / 2**30:.0f} GiB")
-                continue
-            seconds, peak = measure(lambda: fn(q, k, v, args.causal), args.repeat)
-            results[name] = flops / seconds / 1e9
-            print(f"{n:>6} {name:<13} {results[name]:>9.1f} {peak / 2**20:>10.1f}")
-        if "torch-sdpa" in results:
-            print(f"{n:>6} {'ratio':<13} cuonline / torch = "
-                  f"{results['cuonline'] / results['torch-sdpa']:.2f}")
+    causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
+    print(f"B=1 H={args.heads}; {workers()} cores; numpy {np.__version__}; "
+          + (f"torch {__import__('torch').__version__}" if torch_run else "torch not installed"))
+    print("BLAS ceiling (2048^3 matmul, all cores): "
+          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "
+              f"| naive | cuonline/torch | cuonline/BLAS |")
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
 
-    n = args.memory_length
-    q, k, v = (rng.standard_normal((args.heads, n, args.dim), dtype=np.float32)
-               for _ in range(3))
-    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    ratios = []
+    for n, d, dt, causal in itertools.product(args.lengths, args.dims, args.dtypes,
+                                              causal_cases):
+        q, k, v = (rng.standard_normal((1, args.heads, n, d)).astype(dt) for _ in range(3))
+        gflop = 4 * args.heads * n * n * d / (2 if causal else 1) / 1e9
+        ours = gflop / best_seconds(lambda: cuonline.attention(q, k, v, causal=causal),
+                                    args.repeat)
+        theirs, path = float("nan"), "-"
+        if torch_run is not None:
+            path = torch_path(q, k, v, causal)
+            theirs = gflop / best_seconds(lambda: torch_run(q, k, v, causal), args.repeat)
+            ratios.append(ours / theirs)
+        naive_gib = args.heads * n * n * np.dtype(dt).itemsize / 2**30
+        slow = ("-" if naive_gib > args.naive_limit_gib else
+                f"{gflop / best_seconds(lambda: naive(q, k, v, causal), args.repeat):.1f}")
+        print(f"| {n:>5} | {d:>3} | {dt:<7} | {'yes' if causal else 'no':<6} | {ours:>8.1f} "
+              f"| {theirs:>5.1f} | {path:<15} | {slow:>5} | {ours / theirs:>14.2f} "
+              f"| {ours / ceilings[dt]:>13.2f} |")
+    if ratios:
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"cuonline / torch over {len(ratios)} cases: geometric mean {geomean:.2f}, "
+              f"worst {min(ratios):.2f}")
+
+    if args.few_queries:
+        few_queries(args, torch_run, torch_path, rng)
+    if args.softmax:
+        softmax_family(args, rng)
+    if args.plot:
+        plot(args, torch_run, rng)
+
+    n, d = args.memory_length, 64
+    q, k, v = (rng.standard_normal((args.heads, n, d), dtype=np.float32) for _ in range(3))
     tracemalloc.start()
-    cuonline.attention(q, k, v, causal=args.causal)
+    start = time.perf_counter()
+    cuonline.attention(q, k, v)
+    seconds = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    seconds = time.perf_counter() - start
-    output = args.heads * n * args.dim * 4
-    print(f"memory: N={n} H={args.heads} D={args.dim}: cuonline peak traced allocation "
+    output = args.heads * n * d * 4
+    print(f"memory: N={n} H={args.heads} D={d} float32: cuonline peak traced allocation "
           f"{peak / 2**20:.1f} MiB (output {output / 2**20:.1f} MiB; naive scores would need "
-          f"{args.heads * n * n * 4 / 2**30:.0f} GiB); {seconds:.1f} s")
+          f"{args.heads * n * n * 4 / 2**30:.1f} GiB); {seconds:.1f} s")
+
+
+def few_queries(args, torch_run, torch_path, rng):
+    """A few queries scored against a long sequence: the engine splits the keys across cores."""
+    print("few queries, long keys (B=1 H=1 D=64 float32):")
+    print(f"| {'Lq':>3} | {'Lk':>8} | cuonline | torch | torch path      | cuonline/torch |")
+    print("|-----|----------|----------|-------|-----------------|----------------|")
+    for lk, lq in itertools.product(args.few_lengths, [1, 16]):
+        q = rng.standard_normal((1, 1, lq, 64), dtype=np.float32)
+        k, v = (rng.standard_normal((1, 1, lk, 64), dtype=np.float32) for _ in range(2))
+        gflop = 4 * lq * lk * 64 / 1e9
+        ours = gflop / best_seconds(lambda: cuonline.attention(q, k, v), args.repeat)
+        theirs, path = float("nan"), "-"
+        if torch_run is not None:
+            path = torch_path(q, k, v, False)
+            theirs = gflop / best_seconds(lambda: torch_run(q, k, v, False), args.repeat)
+        print(f"| {lq:>3} | {lk:>8} | {ours:>8.2f} | {theirs:>5.2f} | {path:<15} "
+              f"| {ours / theirs:>14.2f} |")
+
+
+def softmax_family(args, rng):
+    """cuonline's softmax, log_softmax and logsumexp beside scipy.special's, last axis."""
+    import scipy.special
+
+    print(f"softmax family, shape {args.softmax_shape}, last axis (G elements/s):")
+    print("| function    | dtype   | cuonline | scipy | cuonline/scipy |")
+    print("|-------------|---------|----------|-------|----------------|")
+    for name, dt in itertools.product(["softmax", "log_softmax", "logsumexp"], args.dtypes):
+        x = rng.standard_normal(args.softmax_shape).astype(dt)
+        ours = x.size / best_seconds(lambda: getattr(cuonline, name)(x), args.repeat) / 1e9
+        ref = getattr(scipy.special, name)
+        theirs = x.size / best_seconds(lambda: ref(x, axis=-1), args.repeat) / 1e9
+        print(f"| {name:<11} | {dt:<7} | {ours:>8.2f} | {theirs:>5.2f} | {ours / theirs:>14.2f} |")
+
+
+def plot(args, torch_run, rng):
+    """Write an SVG line plot of GFLOP/s against N (D = 64, float32, not causal)."""
+    engines = {"cuonline": lambda q, k, v: cuonline.attention(q, k, v)}
+    if torch_run is not None:
+        engines["torch (fused)"] = lambda q, k, v: torch_run(q, k, v, False)
+    engines["naive NumPy"] = lambda q, k, v: naive(q, k, v, False)
+    series = {name: [] for name in engines}
+    for n in args.plot_lengths:
+        q, k, v = (rng.standard_normal((1, args.heads, n, 64), dtype=np.float32)
+                   for _ in range(3))
+        gflop = 4 * args.heads * n * n * 64 / 1e9
+        for name, fn in engines.items():
+            if name == "naive NumPy" and args.heads * n * n * 4 / 2**30 > args.naive_limit_gib:
+                continue
+            series[name].append((n, gflop / best_seconds(lambda: fn(q, k, v), args.repeat)))
+    with open(args.plot, "w", encoding="utf-8") as f:
+        f.write(svg_lines(series, f"H={args.heads}, D=64, float32, not causal",
+                          "sequence length N (log scale)", "GFLOP/s"))
+    print(f"plot: {args.plot}: " + "; ".join(
+        f"{name} " + ", ".join(f"{n}:{g:.0f}" for n, g in pts) for name, pts in series.items()))
+
+
+def svg_lines(series, title, xlabel, ylabel, width=640, height=400):
+    """A small dependency-free SVG line chart: log2 x axis, linear y axis from 0."""
+    colors = ["#1f77b4", "#d62728", "#7f7f7f", "#2ca02c"]
+    left, right, top, bottom = 60, 150, 30, 50
+    xs = [n for pts in series.values() for n, _ in pts]
+    y_max = max(g for pts in series.values() for _, g in pts) * 1.1
+    x0, x1 = math.log2(min(xs)), math.log2(max(xs))
+
+    def px(n):
+        return left + (math.log2(n) - x0) / max(x1 - x0, 1e-9) * (width - left - right)
+
+    def py(g):
+        return height - bottom - g / y_max * (height - top - bottom)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="14">{title}</text>',
+           f'<line x1="{left}" y1="{py(0)}" x2="{width - right}" y2="{py(0)}" stroke="black"/>',
+           f'<line x1="{left}" y1="{py(0)}" x2="{left}" y2="{top}" stroke="black"/>',
+           f'<text x="{(left + width - right) / 2}" y="{height - 12}" '
+           f'text-anchor="middle">{xlabel}</text>',
+           f'<text x="14" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+           f'transform="rotate(-90 14 {(top + height - bottom) / 2})">{ylabel}</text>']
+    for n in sorted(set(xs)):
+        out.append(f'<text x="{px(n):.1f}" y="{py(0) + 16}" text-anchor="middle">{n}</text>')
+    step = 10 ** math.floor(math.log10(y_max / 2)) * (5 if y_max / 10 ** math.floor(
+        math.log10(y_max / 2)) > 10 else 1)
+    for i in range(int(y_max / step) + 1):
+        g = i * step
+        out.append(f'<text x="{left - 6}" y="{py(g) + 4:.1f}" text-anchor="end">{g:g}</text>')
+        out.append(f'<line x1="{left}" y1="{py(g):.1f}" x2="{width - right}" y2="{py(g):.1f}" '
+                   f'stroke="#ddd"/>')
+    for (name, pts), color in zip(series.items(), colors):
+        if not pts:
+            continue
+        path = " ".join(f"{px(n):.1f},{py(g):.1f}" for n, g in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for n, g in pts:
+            out.append(f'<circle cx="{px(n):.1f}" cy="{py(g):.1f}" r="3" fill="{color}"/>')
+        y = top + 20 * (1 + list(series).index(name))
+        out.append(f'<line x1="{width - right + 10}" y1="{y - 4}" x2="{width - right + 30}" '
+                   f'y2="{y - 4}" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{width - right + 35}" y="{y}">{name}</text>')
+    out.append("</svg>\n")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
