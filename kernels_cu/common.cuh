@@ -35,16 +35,16 @@ __device__ __forceinline__ double exp2_(double x) { return exp2(x); }
 // handling of subnormal results (a compare and two multiplies per weight). A weight below
 // 2^-126 becomes 0: next to the row's largest weight (exp2(0) = 1) it moves no float32 sum.
 // Everything else keeps exp2_: softmax outputs return tiny results to the user, and in the
-// SIMT kernel the change cost more registers (spills) than it saved. The emulation runs exp2f.
-__device__ __forceinline__ float exp2_weight(float x) {
+// SIMT kernel the change cost more registers (spills) than it saved. The CPU emulation's
+// header defines the float overload (as exp2f) for the host compiler.
+__device__ __forceinline__ float exp2_weight(float x);
 #ifdef __CUDA_ARCH__
+__device__ __forceinline__ float exp2_weight(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-#else
-    return exp2f(x);
-#endif
 }
+#endif
 __device__ __forceinline__ double exp2_weight(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_(double x) { return log2(x); }

@@ -3,14 +3,13 @@
 // Pasted textually after common.cuh (which brings in cuda_fp16.h / cuda_bf16.h under NVRTC and
 // whose CUONLINE_FULL_MASK is used here), never reached through -I: see common.cuh for why.
 //
-// Every helper has two bodies:
-//   #ifdef __CUDA_ARCH__   the inline PTX (NVRTC, sm_80 and later)
-//   #else                  a portable C++ body for the CPU emulation (cuonline.testing.emulate):
-//                          the operands the lane needs are gathered from the other lanes with
-//                          __shfl_sync, exactly as the PTX ISA lays the fragments out over the
-//                          warp, the small product is computed in the accumulator precision and
-//                          each lane keeps its own fragment. All 32 lanes must call a helper
-//                          together (the .sync.aligned rule), as on the GPU.
+// Every helper that stands for one PTX instruction (to_tf32, mma_*, ldmatrix, cp_async_*) is
+// declared here for every compiler and defined under #ifdef __CUDA_ARCH__ only, by its inline
+// PTX (NVRTC, sm_80 and later). This file is device code only: the CPU emulation
+// (cuonline.testing.emulate) force-includes a header that defines the same functions, with the
+// same names and signatures, before the kernel text (cuonline/testing/cuda_cpu/tensor_core.h and
+// cp_async.h, which follow the fragment layouts below lane by lane). All 32 lanes must call a
+// helper together (the .sync.aligned rule).
 //
 // Fragment conventions (PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k8 / m8n8k4").
 // lane = linear thread index % 32, g = lane / 4 (groupID), t = lane % 4 (threadID_in_group).
@@ -40,49 +39,8 @@
 namespace cuonline {
 namespace tc {
 
-#ifndef __CUDA_ARCH__
 // ---------------------------------------------------------------------------------------------
-// Emulation support: lane index and bit-level conversions shared by the C++ bodies below.
-namespace emu {
-
-__device__ __forceinline__ int lane_id() {
-    return int(((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x) & 31u);
-}
-
-__device__ __forceinline__ unsigned long long pack64(unsigned lo, unsigned hi) {
-    return (unsigned long long)lo | ((unsigned long long)hi << 32);
-}
-__device__ __forceinline__ unsigned lo32(unsigned long long x) { return unsigned(x); }
-__device__ __forceinline__ unsigned hi32(unsigned long long x) { return unsigned(x >> 32); }
-
-// The two 16-bit halves of a register, widened (exactly) to float.
-template <class T> struct Half2Bits;
-template <> struct Half2Bits<__half> {
-    __device__ __forceinline__ static float lo(unsigned r) {
-        return __half2float(__ushort_as_half((unsigned short)(r & 0xffffu)));
-    }
-    __device__ __forceinline__ static float hi(unsigned r) {
-        return __half2float(__ushort_as_half((unsigned short)(r >> 16)));
-    }
-};
-template <> struct Half2Bits<__nv_bfloat16> {
-    __device__ __forceinline__ static float lo(unsigned r) {
-        return __bfloat162float(__ushort_as_bfloat16((unsigned short)(r & 0xffffu)));
-    }
-    __device__ __forceinline__ static float hi(unsigned r) {
-        return __bfloat162float(__ushort_as_bfloat16((unsigned short)(r >> 16)));
-    }
-};
-
-// A tf32 operand register as the tensor core reads it: sign, 8-bit exponent, the upper 10
-// mantissa bits; the low 13 bits are not used.
-__device__ __forceinline__ float tf32_value(unsigned r) { return __uint_as_float(r & 0xffffe000u); }
-
-}  // namespace emu
-#endif
-
-// ---------------------------------------------------------------------------------------------
-// Register packing (pure bit manipulation, the same on both sides)
+// Register packing (pure bit manipulation)
 
 // Two 16-bit values in one 32-bit register, `lo` in the low half (the lower column/row index).
 __device__ __forceinline__ unsigned pack2(__half lo, __half hi) {
@@ -118,27 +76,59 @@ __device__ __forceinline__ void acc_to_a_frag(unsigned (&a)[4], const float (&c0
 // mantissa; the result is an f32 bit pattern whose low 13 bits are zero. Finite values that
 // round past FLT_MAX become inf; inf stays inf; NaN stays a NaN.
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
-#ifdef __CUDA_ARCH__
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-#else
-    const unsigned bits = __float_as_uint(x);
-    if ((bits & 0x7f800000u) == 0x7f800000u)  // inf or NaN: no rounding carry into the exponent
-        return (bits & 0x007fffffu) ? 0x7fffffffu : bits;
-    return (bits + 0x1000u) & 0xffffe000u;
-#endif
-}
+__device__ __forceinline__ unsigned to_tf32(float x);
 
 // ---------------------------------------------------------------------------------------------
-// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, T = __half or __nv_bfloat16
 
 template <class T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4],
                                              const unsigned (&b)[2], const float (&c)[4]);
 
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (operands from to_tf32)
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2], const float (&c)[4]);
+
+// mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64
+__device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], double a, double b,
+                                               const double (&c)[2]);
+
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 (kNum = 1, 2 or 4)
+//
+// `row` is this lane's row address (generic pointer into shared memory, 16-byte aligned);
+// lanes 0-7 address matrix 0, 8-15 matrix 1, 16-23 matrix 2, 24-31 matrix 3 (x1 reads only
+// lanes 0-7, x2 lanes 0-15; the other lanes' addresses are ignored but must be given).
+template <int kNum, bool kTrans>
+__device__ __forceinline__ void ldmatrix(unsigned (&r)[kNum], const void* row);
+
+// cp.async.cg.shared.global (16 bytes, L2 only), commit_group, wait_group
+//
+// Copy 16 bytes global -> shared asynchronously; bytes [src_bytes, 16) of the destination are
+// zero-filled and never read from `src` (src_bytes in [0, 16]; 0 gives a zero chunk). Both
+// addresses must be 16-byte aligned.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src,
+                                            int src_bytes = 16);
+// Close the group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit();
+// Wait until at most kPending (0..7) of the committed groups are still in flight. The copied
+// data is visible to this thread only; other threads of the block need a __syncthreads after it.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait();
+// Commit the open group and wait for all copies (cp.async.wait_all). Retire every copy before
+// the kernel exits: the emulation drops a thread's leftover copies when that thread index next
+// uses cp.async in another block, but a later launch at the same block index would land them.
+__device__ __forceinline__ void cp_async_wait_all();
+
 #ifdef __CUDA_ARCH__
+// ---------------------------------------------------------------------------------------------
+// The PTX bodies
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
 template <>
 __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4],
                                                      const unsigned (&b)[2],
@@ -162,156 +152,28 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
           "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
-#else
-namespace emu {
-// Lane (g, t) computes D[g][2t+j] and D[g+8][2t+j], j = 0, 1: it needs rows g and g+8 of A
-// (held by lanes 4g..4g+3) and columns 2t and 2t+1 of B (held by lanes 8t..8t+3 and
-// 8t+4..8t+7). Products of 16-bit values are exact in float; they are summed in float, in k
-// order, onto C (the hardware's summation order is unspecified: results may differ by an ulp).
-template <class T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    typedef Half2Bits<T> H;
-    const int lane = lane_id(), g = lane >> 2, t = lane & 3;
-    float arow[2][16];  // arow[h][k] = A[g + 8h][k]
-    float bcol[2][16];  // bcol[j][k] = B[k][2t + j]
-    const unsigned long long mine01 = pack64(a[0], a[1]), mine23 = pack64(a[2], a[3]);
-    const unsigned long long mineb = pack64(b[0], b[1]);
-    for (int q = 0; q < 4; ++q) {
-        // lane 4g+q holds A[g][2q, 2q+1], A[g+8][2q, 2q+1], A[g][2q+8, 2q+9], A[g+8][2q+8, 2q+9]
-        const unsigned long long x01 = __shfl_sync(CUONLINE_FULL_MASK, mine01, 4 * g + q);
-        const unsigned long long x23 = __shfl_sync(CUONLINE_FULL_MASK, mine23, 4 * g + q);
-        arow[0][2 * q] = H::lo(lo32(x01));
-        arow[0][2 * q + 1] = H::hi(lo32(x01));
-        arow[1][2 * q] = H::lo(hi32(x01));
-        arow[1][2 * q + 1] = H::hi(hi32(x01));
-        arow[0][2 * q + 8] = H::lo(lo32(x23));
-        arow[0][2 * q + 9] = H::hi(lo32(x23));
-        arow[1][2 * q + 8] = H::lo(hi32(x23));
-        arow[1][2 * q + 9] = H::hi(hi32(x23));
-        // lane 4n+q holds B[2q, 2q+1][n] and B[2q+8, 2q+9][n]
-        for (int j = 0; j < 2; ++j) {
-            const unsigned long long y = __shfl_sync(CUONLINE_FULL_MASK, mineb, 4 * (2 * t + j) + q);
-            bcol[j][2 * q] = H::lo(lo32(y));
-            bcol[j][2 * q + 1] = H::hi(lo32(y));
-            bcol[j][2 * q + 8] = H::lo(hi32(y));
-            bcol[j][2 * q + 9] = H::hi(hi32(y));
-        }
-    }
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1, j = i & 1;  // c[i] = C[g + 8h][2t + j]
-        float acc = c[i];
-        for (int k = 0; k < 16; ++k) acc += arow[h][k] * bcol[j][k];
-        out[i] = acc;
-    }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
-}
-}  // namespace emu
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4],
-                                                     const unsigned (&b)[2],
-                                                     const float (&c)[4]) {
-    emu::mma_m16n8k16<__half>(d, a, b, c);
-}
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4],
-                                                            const unsigned (&a)[4],
-                                                            const unsigned (&b)[2],
-                                                            const float (&c)[4]) {
-    emu::mma_m16n8k16<__nv_bfloat16>(d, a, b, c);
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (operands from to_tf32)
 
 __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4],
                                                  const unsigned (&b)[2], const float (&c)[4]) {
-#ifdef __CUDA_ARCH__
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
           "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#else
-    // Lane (g, t) needs rows g, g+8 of A (lanes 4g..4g+3) and columns 2t, 2t+1 of B.
-    // Products of tf32 values (11-bit significands) are exact in float.
-    const int lane = emu::lane_id(), g = lane >> 2, t = lane & 3;
-    float arow[2][8];  // arow[h][k] = A[g + 8h][k]
-    float bcol[2][8];  // bcol[j][k] = B[k][2t + j]
-    const unsigned long long mine01 = emu::pack64(a[0], a[1]), mine23 = emu::pack64(a[2], a[3]);
-    const unsigned long long mineb = emu::pack64(b[0], b[1]);
-    for (int q = 0; q < 4; ++q) {
-        // lane 4g+q holds A[g][q], A[g+8][q], A[g][q+4], A[g+8][q+4]
-        const unsigned long long x01 = __shfl_sync(CUONLINE_FULL_MASK, mine01, 4 * g + q);
-        const unsigned long long x23 = __shfl_sync(CUONLINE_FULL_MASK, mine23, 4 * g + q);
-        arow[0][q] = emu::tf32_value(emu::lo32(x01));
-        arow[1][q] = emu::tf32_value(emu::hi32(x01));
-        arow[0][q + 4] = emu::tf32_value(emu::lo32(x23));
-        arow[1][q + 4] = emu::tf32_value(emu::hi32(x23));
-        // lane 4n+q holds B[q][n] and B[q+4][n]
-        for (int j = 0; j < 2; ++j) {
-            const unsigned long long y = __shfl_sync(CUONLINE_FULL_MASK, mineb, 4 * (2 * t + j) + q);
-            bcol[j][q] = emu::tf32_value(emu::lo32(y));
-            bcol[j][q + 4] = emu::tf32_value(emu::hi32(y));
-        }
-    }
-    float out[4];
-    for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1, j = i & 1;
-        float acc = c[i];
-        for (int k = 0; k < 8; ++k) acc += arow[h][k] * bcol[j][k];
-        out[i] = acc;
-    }
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
-#endif
 }
-
-// ---------------------------------------------------------------------------------------------
-// mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64
 
 __device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], double a, double b,
                                                const double (&c)[2]) {
-#ifdef __CUDA_ARCH__
     asm volatile(
         "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};"
         : "=d"(d[0]), "=d"(d[1])
         : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
-#else
-    // Lane (g, t) needs row g of A (lanes 4g..4g+3) and columns 2t, 2t+1 of B (lanes
-    // 8t..8t+3, 8t+4..8t+7); fused multiply-adds in k order onto C.
-    const int lane = emu::lane_id(), g = lane >> 2, t = lane & 3;
-    double arow[4], bcol[2][4];
-    for (int q = 0; q < 4; ++q) {
-        arow[q] = __shfl_sync(CUONLINE_FULL_MASK, a, 4 * g + q);           // A[g][q]
-        for (int j = 0; j < 2; ++j)
-            bcol[j][q] = __shfl_sync(CUONLINE_FULL_MASK, b, 4 * (2 * t + j) + q);  // B[q][2t+j]
-    }
-    double out[2];
-    for (int j = 0; j < 2; ++j) {
-        double acc = c[j];
-        for (int k = 0; k < 4; ++k) acc = fma(arow[k], bcol[j][k], acc);
-        out[j] = acc;
-    }
-    d[0] = out[0];
-    d[1] = out[1];
-#endif
 }
-
-// ---------------------------------------------------------------------------------------------
-// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16
-//
-// `row` is this lane's row address (generic pointer into shared memory, 16-byte aligned);
-// lanes 0-7 address matrix 0, 8-15 matrix 1, 16-23 matrix 2, 24-31 matrix 3 (x1 reads only
-// lanes 0-7, x2 lanes 0-15; the other lanes' addresses are ignored but must be given).
 
 template <int kNum, bool kTrans>
 __device__ __forceinline__ void ldmatrix(unsigned (&r)[kNum], const void* row) {
     static_assert(kNum == 1 || kNum == 2 || kNum == 4, "ldmatrix loads 1, 2 or 4 matrices");
-#ifdef __CUDA_ARCH__
     const unsigned s = (unsigned)__cvta_generic_to_shared(row);
     if constexpr (kNum == 1) {
         if constexpr (kTrans)
@@ -335,28 +197,31 @@ __device__ __forceinline__ void ldmatrix(unsigned (&r)[kNum], const void* row) {
             asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
     }
-#else
-    // Exchange the row addresses; lane (g, t) reads, for matrix i, the 32 bits at column 2t of
-    // row g, or (.trans) column g of rows 2t and 2t+1.
-    // (memcpy: the tile may have been written as __half, float or bytes.)
-    const unsigned long long mine = (unsigned long long)row;
-    if (mine & 15u) __trap();  // a misaligned row address is an error on the GPU too
-    const int lane = emu::lane_id(), g = lane >> 2, t = lane & 3;
-    for (int i = 0; i < kNum; ++i) {
-        if constexpr (kTrans) {
-            const unsigned long long p0 = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + 2 * t);
-            const unsigned long long p1 = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + 2 * t + 1);
-            unsigned short lo, hi;
-            std::memcpy(&lo, reinterpret_cast<const char*>(p0) + 2 * g, 2);
-            std::memcpy(&hi, reinterpret_cast<const char*>(p1) + 2 * g, 2);
-            r[i] = (unsigned)lo | ((unsigned)hi << 16);
-        } else {
-            const unsigned long long p = __shfl_sync(CUONLINE_FULL_MASK, mine, 8 * i + g);
-            std::memcpy(&r[i], reinterpret_cast<const char*>(p) + 4 * t, 4);
-        }
-    }
-#endif
 }
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(s), "l"(gmem_src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    static_assert(kPending >= 0 && kPending <= 7, "cp.async.wait_group takes 0..7");
+    asm volatile("cp.async.wait_group %0;" :: "n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+#endif  // __CUDA_ARCH__
+
+// ---------------------------------------------------------------------------------------------
+// ldmatrix forms
 
 __device__ __forceinline__ void ldmatrix_x1(unsigned (&r)[1], const void* row) { ldmatrix<1, false>(r, row); }
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) { ldmatrix<2, false>(r, row); }
@@ -366,134 +231,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ldmatrix<4, true>(r, row); }
 
 // ---------------------------------------------------------------------------------------------
-// cp.async.cg.shared.global (16 bytes, L2 only), commit_group, wait_group
-//
-// Emulation: a copy is *deferred*, not performed at issue. At issue the 16 destination bytes
-// are poisoned (0xFF: NaN / -1) and the source bytes are captured; the data lands when a
-// wait_group retires the copy's group. A kernel that reads a stage before waiting for it (and
-// a barrier), or that issues a copy into a buffer other threads still read, then reads NaN,
-// which the tests see; a synchronous copy would hide both races.
-
-#ifndef __CUDA_ARCH__
-namespace emu {
-
-struct PendingCopy {
-    unsigned char* dst;
-    unsigned char data[16];
-    long long group;
-};
-
-// The copies issued by one CUDA thread and not yet retired. The emulation runs one block at a
-// time, so a slot per thread of the block (linear index) is private to that thread; `block`
-// tags the owner so that copies a block never waited for are dropped, not applied to the next.
-struct CopyQueue {
-    std::vector<PendingCopy> pending;
-    long long committed = 0;  // groups committed so far; uncommitted copies carry this index
-    unsigned block[6] = {~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
-};
-
-__device__ __forceinline__ CopyQueue& copy_queue() {
-    static CopyQueue queues[1024];
-    const unsigned tid = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
-    CopyQueue& q = queues[tid];
-    const unsigned here[6] = {blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z};
-    if (std::memcmp(q.block, here, sizeof here) != 0) {
-        q.pending.clear();
-        q.committed = 0;
-        std::memcpy(q.block, here, sizeof here);
-    }
-    return q;
-}
-
-// Store 16 bytes as two 8-byte words. A plain memset/memcpy would do, but GCC's
-// ThreadSanitizer does not instrument an inlined 16-byte memset: the poison store of a racing
-// copy would go unreported.
-typedef unsigned long long __attribute__((may_alias)) Word;
-__device__ __forceinline__ void store16(void* dst, const unsigned char (&src)[16]) {
-    Word w[2];
-    std::memcpy(w, src, 16);
-    static_cast<Word*>(dst)[0] = w[0];
-    static_cast<Word*>(dst)[1] = w[1];
-}
-
-// Land every copy of a group older than `newest_pending` of the committed ones.
-__device__ __forceinline__ void retire(CopyQueue& q, long long newest_pending) {
-    const long long limit = q.committed - newest_pending;  // groups [0, limit) complete
-    size_t keep = 0;
-    for (size_t i = 0; i < q.pending.size(); ++i) {
-        PendingCopy& c = q.pending[i];
-        if (c.group < limit)
-            store16(c.dst, c.data);
-        else
-            q.pending[keep++] = c;
-    }
-    q.pending.resize(keep);
-}
-
-}  // namespace emu
-#endif
-
-// Copy 16 bytes global -> shared asynchronously; bytes [src_bytes, 16) of the destination are
-// zero-filled and never read from `src` (src_bytes in [0, 16]; 0 gives a zero chunk). Both
-// addresses must be 16-byte aligned.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes = 16) {
-#ifdef __CUDA_ARCH__
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(s), "l"(gmem_src), "r"(src_bytes) : "memory");
-#else
-    if ((((unsigned long long)smem_dst) | ((unsigned long long)gmem_src)) & 15u) __trap();
-    if (src_bytes < 0 || src_bytes > 16) __trap();
-    emu::CopyQueue& q = emu::copy_queue();
-    emu::PendingCopy c;
-    c.dst = static_cast<unsigned char*>(smem_dst);
-    c.group = q.committed;
-    std::memset(c.data, 0, 16);
-    if (src_bytes > 0) std::memcpy(c.data, gmem_src, size_t(src_bytes));
-    static constexpr unsigned char kPoison16[16] = {0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
-                                                    0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
-                                                    0xFF, 0xFF, 0xFF, 0xFF};
-    emu::store16(smem_dst, kPoison16);
-    q.pending.push_back(c);
-#endif
-}
-
-// Close the group of copies issued since the last commit.
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef __CUDA_ARCH__
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#else
-    ++emu::copy_queue().committed;
-#endif
-}
-
-// Wait until at most kPending of the committed groups are still in flight. The copied data is
-// visible to this thread only; other threads of the block need a __syncthreads after it.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-    static_assert(kPending >= 0 && kPending <= 7, "cp.async.wait_group takes 0..7");
-#ifdef __CUDA_ARCH__
-    asm volatile("cp.async.wait_group %0;" :: "n"(kPending) : "memory");
-#else
-    emu::retire(emu::copy_queue(), kPending);
-#endif
-}
-
-// Commit the open group and wait for all copies (cp.async.wait_all). Retire every copy before
-// the kernel exits: the emulation drops a thread's leftover copies when that thread index next
-// uses cp.async in another block, but a later launch at the same block index would land them.
-__device__ __forceinline__ void cp_async_wait_all() {
-#ifdef __CUDA_ARCH__
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#else
-    emu::CopyQueue& q = emu::copy_queue();
-    ++q.committed;
-    emu::retire(q, 0);
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
-// Swizzled shared-memory tiles (pure index math, the same on both sides)
+// Swizzled shared-memory tiles (pure index math)
 //
 // A (rows, kCols) row-major tile of kElemBytes-byte elements, stored without padding, is cut
 // into 16-byte chunks; the chunk index within a row is XORed with a function of the row so that

@@ -11,6 +11,8 @@ from pathlib import Path
 import conftest
 import pytest
 
+from cuonline.testing import emulate
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,12 +32,15 @@ def wheel(tmp_path_factory):
     return path
 
 
-def test_wheel_ships_kernel_sources_and_emulation_header(wheel):
+def test_wheel_ships_kernel_sources_and_every_emulation_header(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
     for name in sources:
         assert f"cuonline/kernels_cu/{name}" in names, name
-    assert "cuonline/testing/cuda_cpu.h" in names
+    headers = emulate.header_files()   # the entry and every part it includes
+    assert "cuda_cpu.h" in headers and any(n.startswith("cuda_cpu/") for n in headers)
+    for name in headers:
+        assert f"cuonline/testing/{name}" in names, name
     assert "cuonline/engines/numpy.py" in names and "cuonline/__main__.py" in names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 

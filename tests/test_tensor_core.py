@@ -7,8 +7,9 @@ NumPy matrix products. Deliberately wrong layouts (tests/tensor_core_kernels/tc_
 fail the same checks. NVRTC compiles every test kernel for sm_80 and sm_90 with no spill, and
 the PTX holds the intended instructions.
 
-The emulation's C++ bodies follow the PTX ISA's fragment tables; that they match the hardware
-is what one run of these kernels on a GPU would confirm.
+The emulation's C++ bodies (cuonline/testing/cuda_cpu/tensor_core.h and cp_async.h) follow the
+PTX ISA's fragment tables; that they match the hardware is what one run of these kernels on a GPU
+would confirm.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from conftest import emulation_available, gpu_available
 
 from cuonline.kernels import nvrtc, source
+from cuonline.testing import emulate
 
 HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE / "tensor_core_kernels"
@@ -52,10 +54,12 @@ needs_emulation = pytest.mark.skipif(
 
 
 def base_texts() -> dict:
-    """File name -> text of everything a test kernel source is made of."""
+    """File name -> text of everything a test kernel source is made of, and of the emulation
+    header part that defines its PTX helpers on the CPU."""
     texts = {
         "common.cuh": source.read_kernel_file("common.cuh"),
         HEADER: source.read_kernel_file(HEADER),
+        mutants.EMULATION: emulate.header_files()[mutants.EMULATION].read_text(encoding="utf-8"),
     }
     for name in KERNEL_FILES:
         texts[name] = (KERNEL_DIR / name).read_text(encoding="utf-8")
@@ -117,15 +121,16 @@ class _GpuModule:
 
 
 def module(kernel_file: str, texts: dict | None = None, entries=ALL):
+    texts = texts or base_texts()
     text = kernel_source(kernel_file, texts, entries)
-    key = (BACKEND["name"], text)
+    emulation = {mutants.EMULATION: texts[mutants.EMULATION]}   # the GPU has its own
+    key = (BACKEND["name"], text) + ((emulation[mutants.EMULATION],)
+                                     if BACKEND["name"] == "emulate" else ())
     if key not in _modules:
         if BACKEND["name"] == "cupy":
             _modules[key] = _GpuModule(text)
         else:
-            from cuonline.testing import emulate
-
-            _modules[key] = emulate.compile_module(text)
+            _modules[key] = emulate.compile_module(text, headers=emulation)
     return _modules[key]
 
 

@@ -1,9 +1,10 @@
 """Run CUDA C kernel text on the CPU: a stand-in for ``cupy.RawModule`` in tests.
 
 The kernel text that CuPy would hand to NVRTC is compiled by the system C++ compiler with the
-CUDA-emulation header ``cuda_cpu.h`` force-included, into a shared library that is loaded with
-:mod:`ctypes`.  The objects returned mirror ``cupy.RawModule`` / ``cupy.RawKernel`` so the CUDA
-engine drives both through one code path::
+CUDA-emulation header ``cuda_cpu.h`` force-included (it includes its parts, one role each, from
+``cuda_cpu/``), into a shared library that is loaded with :mod:`ctypes`.  The objects returned
+mirror ``cupy.RawModule`` / ``cupy.RawKernel`` so the CUDA engine drives both through one code
+path::
 
     from cuonline.testing import emulate
     mod = emulate.compile_module(source)                 # cached in memory and on disk
@@ -72,6 +73,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,7 @@ __all__ = [
     "EmulatedKernel",
     "compile_module",
     "compiler_problem",
+    "header_files",
     "header_path",
     "running_under_tsan",
     "tsan_environment",
@@ -166,8 +169,41 @@ class CompilerSettingError(ValueError, RuntimeError):
 
 
 def header_path() -> Path:
-    """Path of the CUDA-emulation header shipped with the package."""
+    """Path of the CUDA-emulation header shipped with the package (the force-included entry)."""
     return Path(__file__).resolve().parent / "cuda_cpu.h"
+
+
+def header_files() -> dict[str, Path]:
+    """Every file of the CUDA-emulation header: name -> path, sorted by name.
+
+    Names are relative to the directory of :func:`header_path`: ``"cuda_cpu.h"`` (the entry)
+    and ``"cuda_cpu/<part>.h"`` (the parts it includes).  All of them enter the build-cache key.
+    """
+    entry = header_path()
+    files = {entry.name: entry}
+    for part in sorted((entry.parent / "cuda_cpu").glob("*.h")):
+        files[f"cuda_cpu/{part.name}"] = part
+    return dict(sorted(files.items()))
+
+
+def _header_texts(replacements) -> dict[str, str]:
+    """name -> text of every header file, with `replacements` (name -> text) substituted."""
+    files = header_files()
+    texts = {name: path.read_text(encoding="utf-8") for name, path in files.items()}
+    if replacements is None:
+        return texts
+    if not isinstance(replacements, Mapping):
+        raise TypeError("headers must be a mapping of header file name to text, got "
+                        f"{type(replacements).__name__}")
+    for name, text in replacements.items():
+        if name not in texts:
+            raise ValueError(f"headers: {name!r} is not a file of the emulation header; its "
+                             f"files are {list(texts)}")
+        if not isinstance(text, str):
+            raise TypeError(f"headers[{name!r}] must be a str of C++, got "
+                            f"{type(text).__name__}")
+        texts[name] = text
+    return texts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -430,6 +466,7 @@ def compile_module(
     mode: str = "fibers",
     tsan: bool = False,
     options: tuple[str, ...] = (),
+    headers: Mapping[str, str] | None = None,
 ) -> "EmulatedModule":
     """Compile CUDA C kernel text for the CPU and load it (cached in memory and on disk).
 
@@ -447,6 +484,10 @@ def compile_module(
     options : tuple of str
         ``-DNAME[=VALUE]`` / ``-UNAME`` definitions, as in ``RawModule(options=...)``.  Other
         NVRTC options are refused: they have no CPU meaning.
+    headers : mapping of str to str, optional
+        Texts that replace files of the emulation header, by their :func:`header_files` name
+        (``{"cuda_cpu/tensor_core.h": text}``): for tests that check that a deliberately wrong
+        emulation fails them.  The shipped files are used otherwise.
 
     Returns
     -------
@@ -475,18 +516,21 @@ def compile_module(
     if not names:
         raise ValueError('source defines no extern "C" __global__ void function')
     _check_runtime_settings(mode)
+    texts = _header_texts(headers)
     cxx, version = _compiler()
-    header = header_path().read_text()
     flags = _flags(mode, tsan) + list(options)
+    # Every header file, by name and content: an edit to any part rebuilds, and the build
+    # compiles exactly the texts hashed here (it copies them, see _build).
+    header_key = [f"{name}\0{text}" for name, text in texts.items()]
     key = hashlib.sha256(
-        "\0".join([_GLUE_VERSION, source, header, version, cxx, " ".join(flags)]).encode()
+        "\0".join([_GLUE_VERSION, source, *header_key, version, cxx, " ".join(flags)]).encode()
     ).hexdigest()[:32]
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
             lib_path = _cached_library(
                 key, lambda cache: _build(cache, key, _instrument_shared(source) + _glue(names),
-                                          names, cxx, flags))
+                                          names, cxx, flags, texts))
             mod = EmulatedModule(lib_path, names, mode=mode, tsan=tsan)
             _modules[key] = mod
         return mod
@@ -616,17 +660,25 @@ def _cached_library(key: str, build) -> Path:
 
 
 def _build(cache: Path, key: str, text: str, names: list[str], cxx: str,
-           flags: list[str]) -> None:
-    """Compile `text` and publish ``KEY.so`` and its ``KEY.sha256`` record in `cache`.
+           flags: list[str], headers: dict[str, str]) -> None:
+    """Compile `text` with `headers` (name -> text, see :func:`header_files`) and publish
+    ``KEY.so`` and its ``KEY.sha256`` record in `cache`.
 
     The build runs in a private directory inside `cache` with relative file names (so the
-    library's bytes do not depend on the directory's random name); each file is moved into
-    place with :func:`os.replace`, the library first: a reader sees whole files only, and a
-    library without its record, or with another build's, is rebuilt rather than loaded.
+    library's bytes do not depend on the directory's random name); the header files are
+    written there too, so the library is built from the very texts its key hashes.  Each file
+    is moved into place with :func:`os.replace`, the library first: a reader sees whole files
+    only, and a library without its record, or with another build's, is rebuilt rather than
+    loaded.
     """
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".build-{key[:8]}-") as tmp:
         Path(tmp, "kernel.cu").write_text(text)
-        cmd = [cxx, *flags, "-include", str(header_path()), "-x", "c++", "kernel.cu",
+        for name, header in headers.items():
+            path = Path(tmp, name)
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(header, encoding="utf-8")
+        # -include looks in the working directory first; the parts are found next to it.
+        cmd = [cxx, *flags, "-include", header_path().name, "-x", "c++", "kernel.cu",
                "-o", "kernel.so"]
         proc = _run_compiler(cmd, cwd=tmp)
         what = f"compiling kernel(s) {', '.join(names)} for CPU emulation"

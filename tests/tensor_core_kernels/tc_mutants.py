@@ -1,7 +1,8 @@
 """Deliberately wrong fragment layouts for the tensor-core helpers and their test kernels.
 
-Each mutant is a copy of one file (``kernels_cu/tensor_core.cuh`` or a kernel of this folder)
-with one textual edit, made in memory by :func:`mutant_sources`; the text to find must occur
+Each mutant is a copy of one file (``kernels_cu/tensor_core.cuh``, the emulation's C++ bodies of
+its PTX helpers ``cuonline/testing/cuda_cpu/tensor_core.h``, or a kernel of this folder) with one
+textual edit, made in memory by :func:`mutant_sources`; the text to find must occur
 exactly once, so an edit that no longer applies fails loudly instead of testing nothing.
 ``tests/test_tensor_core.py`` runs the check named by each mutant on its copy and asserts that
 the check fails.
@@ -14,17 +15,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Mutant:
-    file: str      # "tensor_core.cuh" or a file of tests/tensor_core_kernels/
+    file: str      # "tensor_core.cuh", EMULATION (below) or a file of tests/tensor_core_kernels/
     find: str      # text that occurs exactly once in the file
     replace: str
     check: str     # name of the check in test_tensor_core.py that must fail
     why: str
 
 
+#: The emulation header part that defines the PTX helpers for the CPU (a name of
+#: cuonline.testing.emulate.header_files()).
+EMULATION = "cuda_cpu/tensor_core.h"
+
 MUTANTS = {
     # Emulated m16n8k16: registers a[1] and a[2] exchanged (A[g+8][2t] taken for A[g][2t+8]).
     "mma16_a_regs_swapped": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "mine01 = pack64(a[0], a[1]), mine23 = pack64(a[2], a[3]);",
         "mine01 = pack64(a[0], a[2]), mine23 = pack64(a[1], a[3]);",
         "gemm16_f16_nk",
@@ -32,7 +37,7 @@ MUTANTS = {
     ),
     # Emulated m16n8k16: C/D register i taken as C[g + 8 (i & 1)][2t + (i >> 1)].
     "mma16_c_regs_swapped": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "const int h = i >> 1, j = i & 1;  // c[i] = C[g + 8h][2t + j]",
         "const int h = i & 1, j = i >> 1;",
         "gemm16_f16_nk",
@@ -72,7 +77,7 @@ MUTANTS = {
     ),
     # Emulated ldmatrix (no .trans): matrices handed out in reverse register order.
     "ldmatrix_register_order": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "std::memcpy(&r[i], reinterpret_cast<const char*>(p) + 4 * t, 4);",
         "std::memcpy(&r[kNum - 1 - i], reinterpret_cast<const char*>(p) + 4 * t, 4);",
         "ldmatrix_probe",
@@ -80,7 +85,7 @@ MUTANTS = {
     ),
     # Emulated ldmatrix .trans: the two rows of a register exchanged.
     "ldmatrix_trans_pairs": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "r[i] = (unsigned)lo | ((unsigned)hi << 16);",
         "r[i] = (unsigned)hi | ((unsigned)lo << 16);",
         "ldmatrix_probe",
@@ -88,7 +93,7 @@ MUTANTS = {
     ),
     # Emulated m16n8k8 tf32: b[0] and b[1] exchanged (B[t+4][g] taken for B[t][g]).
     "tf32_b_regs_swapped": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "            bcol[j][q] = emu::tf32_value(emu::lo32(y));\n"
         "            bcol[j][q + 4] = emu::tf32_value(emu::hi32(y));",
         "            bcol[j][q] = emu::tf32_value(emu::hi32(y));\n"
@@ -98,15 +103,15 @@ MUTANTS = {
     ),
     # Emulated m8n8k4 f64: B read as if lane 4k+n held B[k][n] (row/col of B swapped).
     "f64_b_row_col_swapped": Mutant(
-        "tensor_core.cuh",
-        "bcol[j][q] = __shfl_sync(CUONLINE_FULL_MASK, b, 4 * (2 * t + j) + q);",
-        "bcol[j][q] = __shfl_sync(CUONLINE_FULL_MASK, b, (4 * q + 2 * t + j) & 31);",
+        EMULATION,
+        "bcol[j][q] = __shfl_sync(emu::kFull, b, 4 * (2 * t + j) + q);",
+        "bcol[j][q] = __shfl_sync(emu::kFull, b, (4 * q + 2 * t + j) & 31);",
         "gemm_f64",
         "f64 B fragment rows and columns swapped",
     ),
     # Emulated m8n8k4 f64: the two C/D registers exchanged.
     "f64_c_regs_swapped": Mutant(
-        "tensor_core.cuh",
+        EMULATION,
         "    d[0] = out[0];\n    d[1] = out[1];",
         "    d[0] = out[1];\n    d[1] = out[0];",
         "gemm_f64",
