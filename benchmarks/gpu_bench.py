@@ -100,13 +100,17 @@ def forced_tiles(q, k, v, causal, tiles):
     stages, m_tiles)`` forced, validated once (the public API validates on every call)."""
     from cuonline._validate import validate_attention
     from cuonline.engines import cuda
+    from cuonline.engines.target import overrides
     from cuonline.kernels import heuristics
 
-    p = validate_attention(q, k, v, backend="cupy", scale=None, causal=causal, window=None,
-                           bias=None, mask=None, kv_lengths=None, alibi_slopes=None,
-                           softcap=None, return_lse=False, precision="highest")
-    tuned = {("attention_mma", p.dtype.name, heuristics.d_bucket(max(p.d, p.dv))): tiles}
-    return lambda: cuda.attention(p, tuned=tuned)[0]
+    p = validate_attention(q, k, v, backend="cupy", causal=causal)
+    tuned = {("attention_fwd_mma", p.dtype.name, heuristics.d_bucket(max(p.d, p.dv))): tiles}
+
+    def run():
+        with overrides(tuned=tuned):
+            return cuda.attention(p)[0]
+
+    return run
 
 
 def cases(quick):

@@ -26,31 +26,33 @@ import json
 import subprocess
 from pathlib import Path
 
-from cuonline.kernels import heuristics, sass
-from cuonline.kernels.specs import MmaSpec
+from cuonline.kernels import families, heuristics
+from cuonline.kernels.specs import AttentionMmaSpec
+from cuonline.toolchain import sass
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_FILES = ("attention_mma.cu", "common.cuh", "tensor_core.cuh", "attention_block.cuh",
-                "attention_combine.cuh")
 
 
 
-def shipped(dtype, d, **flags):
-    """The variant the heuristics ship for sm_90 at head size ``d`` and a long sequence."""
+def shipped(dtype, d, *features):
+    """The variant the heuristics ship for sm_90 at head size ``d`` and a long sequence, with
+    the named options of the feature table."""
     tiles = heuristics.choose_mma_tiles(dtype, d, d, 4096, "sm_90")
-    return MmaSpec(dtype=dtype, d=d, dv=d, **tiles._asdict(), **flags)
+    return AttentionMmaSpec(dtype=dtype, d=d, dv=d, **tiles._asdict(), features=features)
 
 
 #: (label, spec): the shipped tiles at each dtype's common head sizes, and (``mt1``) the
 #: one-query-tile-per-warp tiles that the two-tile built-ins replaced.
 VARIANTS = [
     ("f16 d64", shipped("float16", 64)),
-    ("f16 d64 mt1", MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64, stages=2)),
+    ("f16 d64 mt1", AttentionMmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=64,
+                                     stages=2)),
     ("f16 d128", shipped("float16", 128)),
-    ("bf16 d128 lse", shipped("bfloat16", 128, return_lse=True)),
-    ("f16 d128 mask", shipped("float16", 128, mask=True)),
+    ("bf16 d128 lse", shipped("bfloat16", 128, "return_lse")),
+    ("f16 d128 mask", shipped("float16", 128, "mask")),
     ("tf32 d64", shipped("float32", 64)),
-    ("tf32 d64 mt1", MmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32, stages=2)),
+    ("tf32 d64 mt1", AttentionMmaSpec(dtype="float32", d=64, dv=64, warps=4, block_n=32,
+                                      stages=2)),
     ("f64 d64", shipped("float64", 64)),
     ("f64 d128", shipped("float64", 128)),
 ]
@@ -59,7 +61,7 @@ VARIANTS = [
 def files_at(rev):
     """The kernel files of git revision ``rev`` (those that exist there)."""
     out = {}
-    for name in KERNEL_FILES:
+    for name in families.files_of(VARIANTS[0][1]):
         proc = subprocess.run(["git", "show", f"{rev}:kernels_cu/{name}"], cwd=ROOT,
                               capture_output=True, text=True)
         if proc.returncode == 0:

@@ -216,7 +216,7 @@ def _emulation_status():
 
 
 def run_kernels(args) -> int:
-    from .kernels import nvrtc
+    from .toolchain import nvrtc
 
     try:
         rows = _listing(nvrtc, args.arch)
@@ -239,7 +239,9 @@ def run_kernels(args) -> int:
 def _listing(nvrtc, arch):
     """``nvrtc.listing(arch)``, one variant at a time with a progress line each on stderr
     (the whole listing takes about a minute)."""
-    specs = nvrtc.listing_specs(arch)
+    from .kernels import families
+
+    specs = families.listing_specs(arch)
     rows = []
     for n, spec in enumerate(specs, 1):
         report = nvrtc.compile_spec(spec, arch)
@@ -279,13 +281,13 @@ def _dim_list(text):
     return dims
 
 
-def _tune_keys(args):
-    """``(dtype, bucket, family, precision)`` in the order tune measures them."""
+def _tune_keys(args, arch):
+    """``(dtype, bucket, family, precision)`` in the order tune measures them on ``arch``."""
     from .kernels import heuristics, tuning
 
     buckets = sorted({heuristics.d_bucket(d) for d in args.dims})
     return [(dtype, bucket, family, precision) for dtype in args.dtypes for bucket in buckets
-            for family, precision in tuning.targets(dtype, bucket)]
+            for family, precision in tuning.targets(dtype, bucket, arch)]
 
 
 def _label(dtype, bucket, family, precision):
@@ -293,7 +295,7 @@ def _label(dtype, bucket, family, precision):
 
 
 def run_tune(args) -> int:
-    from .kernels import tuning
+    from .engines import tune, tuning_files
 
     if args.dry_run:
         return _tune_dry_run(args)
@@ -302,12 +304,12 @@ def run_tune(args) -> int:
         print(f"python -m cuonline tune needs a CUDA GPU ({reason}); "
               f"--dry-run lists the candidates without one", file=sys.stderr)
         return 1
-    doc = tuning.measure(args.dtypes, args.dims, quick=args.quick,
-                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    doc = tune.measure(args.dtypes, args.dims, quick=args.quick,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     if not doc["entries"]:
         print("cuonline tune: no candidate ran; nothing stored", file=sys.stderr)
         return 1
-    path = tuning.store(doc)
+    path = tuning_files.store(doc)
     if args.json:
         json.dump({"path": str(path), "document": doc}, sys.stdout, indent=1)
         print()
@@ -326,14 +328,24 @@ def run_tune(args) -> int:
 
 
 def _tune_dry_run(args) -> int:
-    from .kernels import tuning
+    from .kernels import heuristics, tuning
 
     arch = args.arch
     if arch is None:
         gpu, _ = _gpu_or_reason()
-        arch = tuning.device_identity()[1] if gpu is not None else "sm_90"
+        if gpu is not None:
+            from .engines import tuning_files
+
+            arch = tuning_files.device_identity()[1]
+        else:
+            arch = heuristics.DEFAULT_ARCH
+    try:
+        heuristics.arch_number(arch)
+    except ValueError as exc:
+        print(f"python -m cuonline tune: --arch: {exc}", file=sys.stderr)
+        return 2
     rows = []
-    for dtype, bucket, family, precision in _tune_keys(args):
+    for dtype, bucket, family, precision in _tune_keys(args, arch):
         for i, tiles in enumerate(tuning.candidates(arch, dtype, bucket, family,
                                                     quick=args.quick)):
             spec = tuning.spec_of(family, dtype, bucket, tiles)

@@ -239,10 +239,10 @@ def softmax(x, axis=-1, *, mask=None, backend="auto"):
     >>> cuonline.softmax(np.array([1000.0, 1000.0, -np.inf]))
     array([0.5, 0.5, 0. ])
     """
-    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
-    if backend in _CUDA_BACKENDS:
-        return _cuda_softmax().run("softmax", x, axis, mask, backend=backend)
-    return _softmax.softmax(xp, x, axis, mask)
+    p = _validate.validate_axis_input(x, axis, mask, backend, mode="softmax")
+    if p.backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run(p)
+    return _softmax.softmax(p.xp, p.x, p.axis, p.mask)
 
 
 def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
@@ -257,10 +257,10 @@ def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
     >>> cuonline.log_softmax(np.array([0.0, 0.0]))
     array([-0.69314718, -0.69314718])
     """
-    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
-    if backend in _CUDA_BACKENDS:
-        return _cuda_softmax().run("log_softmax", x, axis, mask, backend=backend)
-    return _softmax.log_softmax(xp, x, axis, mask)
+    p = _validate.validate_axis_input(x, axis, mask, backend, mode="log_softmax")
+    if p.backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run(p)
+    return _softmax.log_softmax(p.xp, p.x, p.axis, p.mask)
 
 
 def logsumexp(x, axis=-1, *, mask=None, keepdims=False, backend="auto"):
@@ -284,17 +284,11 @@ def logsumexp(x, axis=-1, *, mask=None, keepdims=False, backend="auto"):
     >>> float(cuonline.logsumexp(np.array([2.0, 4.0, 1.0, 3.0])))  # doctest: +ELLIPSIS
     4.44018...
     """
-    xp, backend, x, axis, mask = _axis_call(x, axis, mask, backend)
-    keepdims = _validate._check_bool(keepdims, "keepdims")
-    if backend in _CUDA_BACKENDS:
-        return _cuda_softmax().run("logsumexp", x, axis, mask, backend=backend,
-                                   keepdims=keepdims)
-    return _softmax.logsumexp(xp, x, axis, mask, keepdims)
-
-
-def _axis_call(x, axis, mask, backend):
-    """Validate a softmax-family call; ``backend`` comes back resolved ("auto" -> library)."""
-    return _validate.validate_axis_input(x, axis, mask, backend)
+    p = _validate.validate_axis_input(x, axis, mask, backend, mode="logsumexp",
+                                      keepdims=keepdims)
+    if p.backend in _CUDA_BACKENDS:
+        return _cuda_softmax().run(p)
+    return _softmax.logsumexp(p.xp, p.x, p.axis, p.mask, p.keepdims)
 
 
 def _cuda_softmax():

@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from . import _semantics
+from .kernels import heuristics as _heuristics
+from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
-    "BACKENDS", "Problem", "array_namespace", "validate_attention", "validate_axis_input",
-    "validate_merge",
+    "BACKENDS", "Problem", "SoftmaxProblem", "array_namespace", "validate_attention",
+    "validate_axis_input", "validate_merge",
 ]
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
@@ -29,6 +31,10 @@ BACKENDS = ("auto", "numpy", "cupy", "emulate")
 PRECISIONS = ("highest", "tf32")
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+#: The engines that run cuonline's CUDA kernels.
+_CUDA_BACKENDS = ("cupy", "emulate")
+#: Modes of the softmax family.
+SOFTMAX_MODES = ("softmax", "log_softmax", "logsumexp")
 
 
 @dataclass(frozen=True)
@@ -322,10 +328,12 @@ def _check_matrix(x, name, dims):
 
 
 def validate_attention(
-    q, k, v, *, scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap,
-    return_lse, backend, precision="highest", workers=None,
+    q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
+    alibi_slopes=None, softcap=None, return_lse=False, backend="auto", precision="highest",
+    workers=None,
 ) -> Problem:
-    """Check the arguments of :func:`cuonline.attention` and build its :class:`Problem`."""
+    """Check the arguments of :func:`cuonline.attention` (same keywords, same defaults) and
+    build its :class:`Problem`."""
     xp = array_namespace(
         q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes
     )
@@ -365,6 +373,8 @@ def validate_attention(
             f"{tuple(k.shape[:-2])} and `v` {tuple(v.shape[:-2])} do not broadcast together"
         ) from None
 
+    if backend in _CUDA_BACKENDS:
+        _check_cuda_limits(backend, batch, lq, lk, d, dv)
     dtype = dtype_q
     acc = _semantics.accumulation_dtype(dtype)
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _check_real(scale, "scale")
@@ -428,6 +438,29 @@ def validate_attention(
     )
 
 
+def _check_cuda_limits(backend, batch, lq, lk, d, dv):
+    """The sizes cuonline's CUDA kernels take: heads up to MAX_HEAD_DIM (registers and shared
+    memory), Lq and Lk in 32 bits, and a grid of batch x query blocks within CUDA's limit."""
+    if max(d, dv) > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(
+            f"backend={backend!r} supports head dimensions up to {_CUDA_MAX_HEAD_DIM}, got "
+            f"D = {d}, Dv = {dv}; use backend='numpy' or split the head dimension"
+        )
+    if max(lq, lk) >= 2**31:
+        raise ValueError(f"backend={backend!r} needs Lq and Lk below 2**31, got Lq = {lq}, "
+                         f"Lk = {lk}")
+    # Every attention family plans at least MIN_BLOCK_M query rows per block beyond 16 rows
+    # and one block up to 16, so this bounds the grid of whatever family runs the call.
+    blocks = math.prod(batch) * (1 if lq <= 16 else math.ceil(lq / _heuristics.MIN_BLOCK_M))
+    if blocks > _heuristics.MAX_GRID_X:
+        raise ValueError(
+            f"backend={backend!r} launches a block per batch element and "
+            f"{_heuristics.MIN_BLOCK_M} query rows or more; the batch shape {batch} with "
+            f"Lq = {lq} may need {blocks} blocks, above CUDA's grid limit "
+            f"{_heuristics.MAX_GRID_X}; split the batch into chunks"
+        )
+
+
 def _check_same_device(**named):
     import cupy
 
@@ -445,13 +478,46 @@ def _check_same_device(**named):
 # softmax, log_softmax, logsumexp
 
 
-def validate_axis_input(x, axis, mask, backend):
-    """Check ``(x, axis, mask, backend)`` of the softmax family.
+@dataclass(frozen=True)
+class SoftmaxProblem:
+    """One call of the softmax family, checked and normalised; the only input its CUDA engine
+    receives.
 
-    Returns ``(xp, backend, x, axis, mask)`` with ``x`` in native byte order (a non-native
-    ``x`` is converted), ``axis`` normalised to a non-negative int and ``mask`` broadcast to
-    ``x.shape`` (a view) or None.
+    ``x`` is in native byte order, ``axis`` non-negative, ``mask`` a bool view broadcast to
+    ``x.shape`` or None.
     """
+
+    xp: Any                    # numpy or cupy
+    backend: str               # resolved engine: "numpy", "cupy" or "emulate"
+    mode: str                  # "softmax", "log_softmax" or "logsumexp"
+    x: Any
+    axis: int
+    mask: Any = None
+    keepdims: bool = False     # logsumexp: keep the reduced axis with length 1
+    scale: float = 1.0         # multiplies x (folded into the exponent); 1 from the public API
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.x.dtype)
+
+    @property
+    def acc_dtype(self) -> np.dtype:
+        return _semantics.accumulation_dtype(self.x.dtype)
+
+    @property
+    def n(self) -> int:
+        """Length of the reduced axis."""
+        return self.x.shape[self.axis]
+
+
+def validate_axis_input(x, axis, mask, backend, *, mode="softmax", keepdims=False):
+    """Check the arguments of :func:`cuonline.softmax`, :func:`cuonline.log_softmax` or
+    :func:`cuonline.logsumexp` (``mode``) and build their :class:`SoftmaxProblem`: ``x`` in
+    native byte order (a non-native ``x`` is converted), ``axis`` normalised to a
+    non-negative int, ``mask`` broadcast to ``x.shape`` (a view) or None."""
+    if mode not in SOFTMAX_MODES:
+        raise ValueError(f"`mode` must be one of {', '.join(map(repr, SOFTMAX_MODES))}; "
+                         f"got {mode!r}")
     xp = array_namespace(x=x, mask=mask)
     backend = _check_backend(backend, xp)
     x = _as_array(xp, x, "x")
@@ -466,7 +532,9 @@ def validate_axis_input(x, axis, mask, backend):
         if mask.dtype != bool:
             raise TypeError(f"`mask` must be a boolean array (True = keep), got dtype {mask.dtype}")
         mask = _broadcast_to(xp, mask, x.shape, "mask", "x.shape")
-    return xp, backend, _native(xp, x), axis, mask
+    keepdims = _check_bool(keepdims, "keepdims")
+    return SoftmaxProblem(xp=xp, backend=backend, mode=mode, x=_native(xp, x), axis=axis,
+                          mask=mask, keepdims=keepdims)
 
 
 # --------------------------------------------------------------------------------------------

@@ -378,6 +378,47 @@ __device__ __forceinline__ void round_tile(T* s) {
     });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The scalar slow path of a row whose output came out non-finite (see the kernel's last loop):
+// values as the mma sees them, so that the recomputed row rounds as the fast path does.
+
+// An element of q, k or v as an mma operand: tf32 rounds to nearest (cvt.rna, as the tiles
+// and the Q fragments are rounded); the 16-bit types and f64 widen exactly.
+template <class E>
+__device__ __forceinline__ Acc mma_operand(E x) {
+    if constexpr (Op::kRoundTiles) return __uint_as_float(to_tf32(x));
+    else return to_acc(x);
+}
+// A weight P as the A operand of P·V: rounded to the input type (16-bit types, as
+// acc_to_a_frag) or to tf32; f64 unchanged.
+template <class E = T>
+__device__ __forceinline__ Acc mma_weight(Acc p) {
+    if constexpr (sizeof(E) == 2) return to_acc(FromAcc<E>::cvt(p));
+    else if constexpr (Op::kRoundTiles) return __uint_as_float(to_tf32(p));
+    else return p;
+}
+// The same 64-bit value (a pointer or an integer), opaque to the compiler. After the key loop:
+// values loaded through an opaque pointer are loaded again rather than kept in registers
+// through the loop from the loads before it. Inside the slow path's key loop: an opaque step
+// keeps the compiler from hoisting one 64-bit offset per output column out of it (Dv = 256:
+// 64 registers, and spills).
+template <class X>
+__device__ __forceinline__ X opaque(X x) {
+    static_assert(sizeof(X) == 8, "a 64-bit value");
+#ifdef __CUDA_ARCH__
+    asm volatile("" : "+l"(x));
+#endif
+    return x;
+}
+// Every accumulator of the lane's share of a row is finite (NaN and +-inf fail).
+template <int kN>
+__device__ __forceinline__ bool all_finite(const Acc (&o)[kN]) {
+    bool ok = true;
+#pragma unroll
+    for (int c = 0; c < kN; ++c) ok = ok && is_finite_(o[c]);
+    return ok;
+}
+
 }  // namespace mma
 }  // namespace cuonline
 
@@ -627,13 +668,87 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         cp_async_wait<0>();
     }
 
+    // ---- keys a row cannot see must not reach it (issue 10, item 6). P·V is an mma, so an
+    //      invisible key still multiplies its weight 0 into the row, and 0 · NaN = 0 · inf =
+    //      NaN. Weights are finite and so are their products with finite values: only a
+    //      non-finite value of V (seen or not) leaves a lane's share of a row's output
+    //      non-finite. That share (rare) is recomputed after the rows are written, so that the
+    //      key loop pays nothing: the sum over the keys the row sees of exp(s - m) v / l, with
+    //      scalar scores from q and k in global memory; m and l are already right (scores do
+    //      not involve V). A NaN or inf the row does see comes back. No shuffle: each lane
+    //      decides for its own columns.
+    auto recompute_output = [&](long long i, Acc m, Acc l_total) {
+        const long long* const st = opaque(strides);
+        const long long* const of = opaque(offsets) + b * kNumOperands;
+        const T* const q_b = q + of[kQ];
+        const T* const k_b = k + of[kK];
+        const T* const v_b = v + of[kV];
+        const long long rs_q = st[2 * kQ], rs_k = st[2 * kK], rs_v = st[2 * kV];
+#if CUONLINE_CP_ASYNC
+        constexpr long long cs_q = 1, cs_k = 1, cs_v = 1;  // checked on the host
+#else
+        const long long cs_q = st[2 * kQ + 1], cs_k = st[2 * kK + 1], cs_v = st[2 * kV + 1];
+#endif
+        long long j_first = j_lo, j_last = j_hi;  // keys [j_first, j_last) of row i
+#if CUONLINE_HAS_WINDOW
+        if (i + diag - window_left > j_first) j_first = i + diag - window_left;
+        if (i + diag + window_right + 1 < j_last) j_last = i + diag + window_right + 1;
+#endif
+        Acc o[2 * kNv];
+#pragma unroll
+        for (int c = 0; c < 2 * kNv; ++c) o[c] = Acc(0);
+#pragma unroll 1
+        for (long long j = j_first; j < j_last; ++j) {
+#if CUONLINE_HAS_MASK
+            if (mask[of[kMask] + i * st[2 * kMask] + j * st[2 * kMask + 1]] == 0)
+                continue;
+#endif
+            Acc qk = Acc(0);
+#pragma unroll 4
+            for (int d = 0; d < kD; ++d)
+                qk += mma_operand(q_b[i * rs_q + d * cs_q]) * mma_operand(k_b[j * rs_k + d * cs_k]);
+            Acc x = score_map.scaled(qk);
+#if CUONLINE_HAS_BIAS
+            x += score_map.bias(bias[of[kBias] + i * st[2 * kBias] + j * st[2 * kBias + 1]]);
+#endif
+#if CUONLINE_HAS_ALIBI
+            x -= score_map.alibi(i + diag, j);
+#endif
+            const Acc p = mma_weight(exp2_weight((x - m) * log2e(Acc())));
+            // columns 8 nv + 2t + c: a pointer to the lane's first, stepped 8 columns a time
+            const T* v_j = v_b + j * rs_v + 2 * t * cs_v;
+            const long long step = CUONLINE_CP_ASYNC ? 8 : opaque(8 * cs_v);
+#pragma unroll
+            for (int nv = 0; nv < kNv; ++nv, v_j += step)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (8 * nv + 2 * t + c < kDv)
+                        o[2 * nv + c] += p * mma_operand(v_j[c * cs_v]);
+        }
+        const Acc inv = Acc(1) / l_total;  // as SoftmaxState::finalize
+        const long long row = output_row<kBlockM>(b, i, lq);
+#pragma unroll
+        for (int nv = 0; nv < kNv; ++nv)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * nv + 2 * t + c;
+                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(o[2 * nv + c] * inv);
+            }
+    };
+
     // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)
+    bool slow[kSlots];     // this lane's share of the row is recomputed (above)
+    Acc slow_m[kSlots], slow_l[kSlots];
 #pragma unroll
     for (int r = 0; r < kSlots; ++r) {
         const long long i = row0 + 8 * r;
         Acc l_total = state[r].l;
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 1);
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 2);
+        // l_total > 0: the row sees a key and no score is NaN (else the row is 0, or NaN, as is)
+        slow[r] = i < lq && l_total > Acc(0) && !all_finite(state[r].o);
+        slow_m[r] = state[r].m;
+        slow_l[r] = l_total;
         const Acc row_lse = state[r].finalize(l_total);
         if (i >= lq) continue;
         const long long row = output_row<kBlockM>(b, i, lq);
@@ -647,5 +762,20 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 #if CUONLINE_SPLIT || CUONLINE_RETURN_LSE
         if (t == 0) lse[row] = row_lse;
 #endif
+    }
+    // the same lane wrote these elements above: program order makes the recomputed ones last
+    // one copy of the slow path for every slot (a runtime loop; the slot's values selected)
+#pragma unroll 1
+    for (int r = 0; r < kSlots; ++r) {
+        bool slow_r = slow[0];
+        Acc m_r = slow_m[0], l_r = slow_l[0];
+#pragma unroll
+        for (int u = 1; u < kSlots; ++u)
+            if (u == r) {
+                slow_r = slow[u];
+                m_r = slow_m[u];
+                l_r = slow_l[u];
+            }
+        if (slow_r) recompute_output(row0 + 8 * r, m_r, l_r);
     }
 }

@@ -20,8 +20,10 @@ from conftest import emulation_available, run_under_tsan
 from mutants import barrier_mutant_sources, barrier_mutants, barrier_skips
 from oracle import reference_attention
 
+import cuonline
 from cuonline._validate import validate_attention
-from cuonline.engines import cuda, cuda_softmax
+from cuonline.engines import cuda
+from cuonline.engines.target import overrides
 from cuonline.testing.emulate import EmulationError
 
 MUTANTS = barrier_mutants()
@@ -41,10 +43,10 @@ CASES_OF = {
 #: so stage 0 is refilled at tile 2 and read again at tile 3) and a ragged tail; 40 rows are
 #: 5 SIMT blocks of 4 warps, 80 rows 3 warps of two query tiles; split: 2 key splits.
 _ATTENTION = {
-    "simt": (np.float32, "attention_fwd", 40, 200, None),
-    "mma": (np.float16, "attention_mma", 80, 200, None),
-    "simt_split": (np.float32, "attention_fwd", 40, 300, 2),
-    "mma_split": (np.float16, "attention_mma", 80, 300, 2),
+    "simt": (np.float32, "attention_fwd_simt", 40, 200, None),
+    "mma": (np.float16, "attention_fwd_mma", 80, 200, None),
+    "simt_split": (np.float32, "attention_fwd_simt", 40, 300, 2),
+    "mma_split": (np.float16, "attention_fwd_mma", 80, 300, 2),
 }
 #: An error this far above the dtype's rounding is a broken kernel.
 _BROKEN = {np.float32: 1e-3, np.float16: 3e-2}
@@ -64,8 +66,8 @@ def _run_case(case, sources, tsan):
     rng = np.random.default_rng(7)
     if case == "softmax":
         x = rng.standard_normal((3, 3000)).astype(np.float32)  # 4 warps per row, one block
-        out = cuda_softmax.run("softmax", x, 1, None, backend="emulate", max_blocks=1,
-                               kernel_sources=sources, emulate_options=options)
+        with overrides(max_blocks=1, kernel_sources=sources, emulate_options=options):
+            out = cuonline.softmax(x, axis=1, backend="emulate")
         if not np.isfinite(out).all():
             return float("inf")
         e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
@@ -77,8 +79,9 @@ def _run_case(case, sources, tsan):
     p = validate_attention(q, k, v, scale=None, causal=False, window=None, bias=None, mask=None,
                            kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=True,
                            backend="emulate")
-    out, _ = cuda.attention(p, num_sms=1, n_splits=n_splits, family=family, tuned={},
-                            kernel_sources=sources, emulate_options=options)
+    with overrides(num_sms=1, n_splits=n_splits, family=family, tuned={},
+                   kernel_sources=sources, emulate_options=options):
+        out, _ = cuda.attention(p)
     if not np.isfinite(out).all():
         return float("inf")
     ref, _ = reference_attention(q, k, v)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cuonline.kernels import nvrtc
+from cuonline.toolchain import nvrtc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,9 +95,9 @@ def test_kernels_reports_progress_per_variant_on_stderr():
     # the listing cut to two small variants: the progress lines, not the minute, under test
     proc = python("""
         import sys
-        from cuonline.kernels import nvrtc
-        specs = [s for s in nvrtc.listing_specs() if type(s).__name__ == "SoftmaxSpec"][:2]
-        nvrtc.listing_specs = lambda *args, **kwargs: specs
+        from cuonline.kernels import families
+        specs = [s for s in families.listing_specs() if type(s).__name__ == "SoftmaxSpec"][:2]
+        families.listing_specs = lambda *args, **kwargs: specs
         from cuonline.__main__ import main
         sys.exit(main(["kernels", "--json"]))
     """)

@@ -1,8 +1,9 @@
 """The CUDA engine against the float64 oracle: emulated on the CPU, and on a GPU where one exists.
 
-One matrix of cases, each run through :func:`cuonline.engines.cuda.attention` (the named seam,
-so a test can steer the planner: ``num_sms`` picks large or small tiles, ``n_splits`` forces a
-key split) with NumPy arrays on ``backend="emulate"`` and, marked ``gpu``, with CuPy arrays.
+One matrix of cases, each run through :func:`cuonline.engines.cuda.attention` under the named
+seam :func:`cuonline.engines.target.overrides` (``num_sms`` picks large or small tiles,
+``n_splits`` forces a key split) with NumPy arrays on ``backend="emulate"`` and, marked
+``gpu``, with CuPy arrays.
 Then the planner's pure functions, and deliberately broken kernels (tests/mutants.py) that the
 matrix must catch.
 """
@@ -23,7 +24,8 @@ from oracle import reference_attention
 
 from cuonline._validate import validate_attention
 from cuonline.engines import cuda
-from cuonline.kernels import heuristics
+from cuonline.engines.target import overrides
+from cuonline.kernels import families, heuristics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,8 +97,9 @@ def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=No
     kwargs.update(put)
     problem = validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
                                  **kwargs)
-    out, lse = cuda.attention(problem, num_sms=num_sms, n_splits=n_splits,
-                              kernel_sources=kernel_sources, emulate_options=emulate_options)
+    with overrides(num_sms=num_sms, n_splits=n_splits, kernel_sources=kernel_sources,
+                   emulate_options=emulate_options):
+        out, lse = cuda.attention(problem)
     if backend == "cupy":
         out, lse = out.get(), (None if lse is None else lse.get())
     return out, lse
@@ -183,7 +186,7 @@ def test_split_keys_for_few_queries(backend, lq, lk, options):
     problem = validate_attention(q, k, v, backend="emulate", scale=None, causal=False,
                                  window=None, bias=None, mask=None, kv_lengths=None,
                                  alibi_slopes=None, softcap=None, return_lse=False)
-    assert heuristics.plan_attention(problem).n_splits > 1   # the heuristics choose a split
+    assert families.plan_attention(problem).n_splits > 1   # the heuristics choose a split
     check(backend, q, k, v, opts)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cuonline import _environment
-from cuonline.kernels import tuning
+from cuonline.engines import tuning_files
 from cuonline.testing import emulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_changing_cxx_is_seen(fresh_compiler, monkeypatch):
                                         ("~no-such-user-xyz/cache", "no user 'no-such-user-xyz'")])
 def test_bad_cache_dir_is_explained(fresh_compiler, monkeypatch, value, why):
     monkeypatch.setenv("CUONLINE_CACHE_DIR", value)
-    for reader in (_environment.cache_root, tuning.tuning_dir,
+    for reader in (_environment.cache_root, tuning_files.tuning_dir,
                    lambda: emulate.compile_module(KERNEL)):
         with pytest.raises(ValueError, match=rf"CUONLINE_CACHE_DIR={re.escape(repr(value))}"
                                              rf".*absolute path.*{why}"):
@@ -200,12 +200,12 @@ def test_emulation_cache_and_tuning_store_share_one_rule(monkeypatch, tmp_path):
     monkeypatch.delenv("CUONLINE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert emulate._cache_dir() == tmp_path / "xdg" / "cuonline" / "emulate"
-    assert tuning.tuning_dir() == tmp_path / "xdg" / "cuonline" / "tuning"
+    assert tuning_files.tuning_dir() == tmp_path / "xdg" / "cuonline" / "tuning"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")   # the XDG specification: ignored
-    assert tuning.tuning_dir() == Path.home() / ".cache" / "cuonline" / "tuning"
+    assert tuning_files.tuning_dir() == Path.home() / ".cache" / "cuonline" / "tuning"
     monkeypatch.setenv("CUONLINE_CACHE_DIR", str(tmp_path / "mine"))
     assert emulate._cache_dir() == tmp_path / "mine" / "emulate"
-    assert tuning.tuning_dir() == tmp_path / "mine" / "tuning"
+    assert tuning_files.tuning_dir() == tmp_path / "mine" / "tuning"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_emulation_cache_and_tuning_store_share_one_rule(monkeypatch, tmp_path):
 
 READS = re.compile(
     r"""(?:environ(?:\.get)?\s*[\[(]\s*|getenv\(\s*|_get\(\s*)["']([A-Z][A-Z0-9_]*)["']""")
-# Read through a loop over names (kernels/nvrtc.py), which the pattern above does not see.
+# Read through a loop over names (toolchain/nvrtc.py), which the pattern above does not see.
 INDIRECT = {"CUDA_PATH", "CUDA_HOME"}
 
 

@@ -2,9 +2,9 @@
 row cannot see (issue 10, items 8 and 6).
 
 Each case runs on the NumPy engine and on both CUDA families through the emulation (the
-engine's ``family`` seam, as in test_mma_engine.py): ``simt`` (attention_fwd.cu) and ``mma``
-(attention_mma.cu; float32 takes it with ``precision="tf32"``, exact here because every input
-is a small integer). The expected values come from a float64 oracle written here, which gives
+``family`` field of the engine's one seam, ``cuonline.engines.target.overrides``): ``simt``
+(attention_fwd_simt) and ``mma`` (attention_fwd_mma; float32 takes it with
+``precision="tf32"``, exact here because every input is a small integer). The expected values come from a float64 oracle written here, which gives
 a key that a row cannot see no part in that row, whatever its value.
 """
 
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import BFLOAT16 as _BFLOAT16
 from conftest import emulation_available
 
 import cuonline
 from cuonline._validate import validate_attention
 from cuonline.engines import cuda
+from cuonline.engines.target import overrides
+from cuonline.kernels import arguments, families
 
 _emulate_reason = emulation_available()
 ENGINES = [
@@ -41,8 +44,9 @@ def run(engine, q, k, v, **options):
     kwargs.update(options)
     precision = "tf32" if engine == "mma" and q.dtype == np.float32 else "highest"
     p = validate_attention(q, k, v, backend="emulate", precision=precision, **kwargs)
-    family = {"simt": "attention_fwd", "mma": "attention_mma"}[engine]
-    return cuda.attention(p, family=family, tuned={})
+    family = {"simt": "attention_fwd_simt", "mma": "attention_fwd_mma"}[engine]
+    with overrides(family=family, tuned={}):
+        return cuda.attention(p)
 
 
 def oracle(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
@@ -163,11 +167,6 @@ def _eye_case(dtype, bad_row, bad_value, where="v"):
     return q, k, v
 
 
-# The tensor-core family still forms 0 * NaN inside the P·V mma (item 6 is done for the NumPy
-# engine and the SIMT kernel only); strict, so that a fix shows up here.
-ENGINES_ITEM6 = ENGINES[:2] + [pytest.param("mma", marks=[
-    pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or ""),
-    pytest.mark.xfail(strict=True, reason="attention_mma.cu: 0 * NaN inside the P·V mma")])]
 
 VISIBILITY = {
     "causal": dict(causal=True),
@@ -176,7 +175,7 @@ VISIBILITY = {
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES_ITEM6)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("how", VISIBILITY)
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
@@ -193,7 +192,7 @@ def test_non_finite_value_at_an_invisible_key(engine, dt, how, bad):
         assert out[3, 0] == float(bad)
 
 
-@pytest.mark.parametrize("engine", ENGINES_ITEM6)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dt", DTYPES)
 def test_nan_value_stays_in_the_rows_that_see_it(engine, dt):
     # window (0, 0): only row 1 sees key 1
@@ -216,7 +215,7 @@ def test_nan_key_at_an_invisible_position(engine, dt):
     assert_matches(out, lse, ref_out, ref_lse, dtype, engine)
 
 
-@pytest.mark.parametrize("engine", ENGINES_ITEM6)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_nan_value_behind_a_mask_in_a_later_tile(engine):
     # 200 keys: several key tiles in every family; the masked keys carry NaN values and lie
     # in the same tiles as visible ones
@@ -232,6 +231,124 @@ def test_nan_value_behind_a_mask_in_a_later_tile(engine):
     ref_out, ref_lse = oracle(q, k, v, mask=mask)
     assert np.all(np.isfinite(out))
     assert_matches(out, lse, ref_out, ref_lse, np.float64, engine)
+
+
+# The tensor-core family forms P·V in an mma, where an invisible key still multiplies weight 0
+# into every row; a lane whose share of a row comes out non-finite recomputes it after the key
+# loop over the keys the row sees (attention_mma.cu). The cases below give that slow path
+# several key tiles, query and key tails, Dv not a multiple of 16, two query tiles per warp,
+# split keys, element-wise loads and every score option, with non-finite values at keys that
+# some rows see and others do not (a visible one must still reach its rows).
+MMA_DTYPES = {"f16": np.float16, "tf32": np.float32, "f64": np.float64}
+if _BFLOAT16 is not None:
+    MMA_DTYPES["bf16"] = _BFLOAT16
+MMA_TOL = {"f16": 5e-3, "bf16": 3e-2, "tf32": 5e-3, "f64": 1e-12}
+
+
+def run_mma(q, k, v, *, n_splits=None, **options):
+    """(out, lse, plan key) of the tensor-core family, emulated."""
+    kwargs = dict(_DEFAULTS)
+    kwargs.update(options)
+    precision = "tf32" if q.dtype == np.float32 else "highest"
+    p = validate_attention(q, k, v, backend="emulate", precision=precision, **kwargs)
+    plan = families.plan_attention(p, n_splits=n_splits, family="attention_fwd_mma",
+                                   cp_async=arguments.cp_async_aligned(p), tuned={})
+    with overrides(n_splits=n_splits, family="attention_fwd_mma", tuned={}):
+        out, lse = cuda.attention(p)
+    return np.asarray(out, np.float64), np.asarray(lse, np.float64), plan
+
+
+def _poison(v, seen, rng):
+    """v with NaN at every key no row sees, and one key of each kind seen by some rows only:
+    NaN in column 0, +inf in column 1, -inf in column 2 (the rows that see it must show it)."""
+    v = v.copy()
+    v[~seen.any(axis=0)] = np.nan
+    partly = np.flatnonzero(seen.any(axis=0) & ~seen.all(axis=0))
+    assert len(partly) >= 3, "the case needs keys that only some rows see"
+    picks = rng.choice(partly, 3, replace=False)
+    for col, (j, bad) in enumerate(zip(picks, [np.nan, np.inf, -np.inf])):
+        v[j, col] = bad
+    return v
+
+
+def _visible(lq, lk, *, causal=False, window=None, mask=None, kv_length=None):
+    diag = np.arange(lq)[:, None] + lk - lq - np.arange(lk)[None, :]
+    seen = np.ones((lq, lk), bool) if mask is None else mask.copy()
+    if causal:
+        seen &= diag >= 0
+    if window is not None:
+        seen &= (diag <= window[0]) & (-diag <= window[1])
+    if kv_length is not None:
+        seen &= np.arange(lk)[None, :] < kv_length
+    return seen
+
+
+MMA_CASES = ["options", "band", "strided"]
+
+
+@pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
+@pytest.mark.parametrize("dt", MMA_DTYPES)
+@pytest.mark.parametrize("case", MMA_CASES)
+def test_mma_non_finite_values_reach_only_the_rows_that_see_them(dt, case):
+    dtype = MMA_DTYPES[dt]
+    rng = np.random.default_rng(61)
+    # 70 queries: two query tiles per warp where the table takes them (f16/bf16/tf32 at
+    # D = 32), a query tail; 150 keys: several key tiles and a key tail; Dv = 8 pads to 16
+    # (and keeps rows 16-byte aligned: cp.async, except in the strided case)
+    lq, lk, d, dv = 70, 150, 32, 8
+    q = rng.standard_normal((lq, d)).astype(dtype)
+    k = rng.standard_normal((lk, d)).astype(dtype)
+    v = rng.standard_normal((lk, dv))
+    if case == "options":
+        mask = rng.random((lq, lk)) < 0.6
+        mask[:, 140:] = False                            # keys no row sees, in the last tile
+        # scores within a few units of each other: no visible weight rounds to 0 in float16
+        # (0 * inf would then be NaN, as in every float16 P·V)
+        options = dict(mask=mask, bias=(0.5 * rng.standard_normal((lq, lk))).astype(q.dtype),
+                       softcap=2.0, alibi_slopes=np.array(0.01, dtype))
+        seen = _visible(lq, lk, mask=mask)
+        oracle_options = dict(options)
+    else:  # a causal band cut by kv_lengths: every row sees a different key range
+        options = dict(causal=True, window=(40, None), kv_lengths=np.array(130))
+        seen = _visible(lq, lk, causal=True, window=(40, np.inf), kv_length=130)
+        oracle_options = dict(mask=seen)
+    v = _poison(v, seen, rng).astype(dtype)
+    if case == "strided":                                # element-wise loads (no cp.async)
+        v = np.asfortranarray(v)
+    out, lse, plan = run_mma(q, k, v, **options)
+    assert plan.spec.cp_async == (case != "strided"), plan.spec.key
+    ref_out, ref_lse = oracle(q, k, v, **oracle_options)
+    # the poisoned columns are non-finite exactly in the rows that see their key
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref_out))
+    assert np.isnan(out[:, 0]).any() and np.isinf(out[:, 1]).any() and np.isinf(out[:, 2]).any()
+    assert np.isfinite(out[:, 3:]).all()
+    tol = MMA_TOL[dt]
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
+@pytest.mark.parametrize("dt", ["f16", "tf32", "f64"])
+def test_mma_non_finite_values_with_split_keys(dt):
+    # few queries against many keys: three key splits, each recomputing its own partial rows
+    dtype = MMA_DTYPES[dt]
+    rng = np.random.default_rng(62)
+    lq, lk, d, dv = 3, 300, 16, 8
+    q = rng.standard_normal((lq, d)).astype(dtype)
+    k = rng.standard_normal((lk, d)).astype(dtype)
+    mask = rng.random((lq, lk)) < 0.5
+    mask[:, 100:200] = False                             # one split sees nothing at all
+    v = _poison(rng.standard_normal((lk, dv)), mask, rng).astype(dtype)
+    out, lse, plan = run_mma(q, k, v, n_splits=3, mask=mask)
+    assert plan.n_splits == 3, plan
+    ref_out, ref_lse = oracle(q, k, v, mask=mask)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref_out))
+    assert np.isfinite(out[:, 3:]).all()
+    tol = MMA_TOL[dt]
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from cuonline.kernels import nvrtc, source
+from cuonline.kernels import families, source
+from cuonline.toolchain import nvrtc
 from cuonline.kernels.heuristics import SMEM_OPT_IN_LIMIT, arch_number, simt_smem_limit
 
 pytestmark = pytest.mark.skipif(
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.skipif(
            '"nvidia-cuda-runtime==13.*")',
 )
 
-SPECS = nvrtc.listing_specs()
+SPECS = families.listing_specs()
 # (spec, arch): each arch's listing (below sm_80 without the tensor-core family)
-CASES = [(s, a) for a in nvrtc.DEFAULT_ARCHS for s in nvrtc.listing_specs(a)]
+CASES = [(s, a) for a in nvrtc.DEFAULT_ARCHS for s in families.listing_specs(a)]
 
 
 @pytest.mark.parametrize(("spec", "arch"), CASES, ids=[f"{s.key}-{a}" for s, a in CASES])
@@ -31,7 +32,7 @@ def test_variant_compiles_without_spills(spec, arch):
         pytest.skip(reason)
     report = nvrtc.compile_spec(spec, arch)
     names = {k.name for k in report.kernels}
-    assert names == set(spec.entries()), report.log
+    assert names == set(families.entries_of(spec)), report.log
     for k in report.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills:\n{report.log}"
         assert k.stack_frame == 0, f"{k.name} has a stack frame:\n{report.log}"
@@ -39,21 +40,20 @@ def test_variant_compiles_without_spills(spec, arch):
     # SIMT blocks stay small enough for two per sm_80 SM; tensor-core blocks opt in to more
     # (their tiles are 16-bit or the accumulators are in registers) but must fit an sm_80 SM.
     # SIMT blocks also fit sm_75's 64 KiB opt-in limit where they are listed for it.
-    limit = (SMEM_OPT_IN_LIMIT["sm_80"] if spec.family == "attention_mma"
+    limit = (SMEM_OPT_IN_LIMIT["sm_80"] if spec.family == "attention_fwd_mma"
              else simt_smem_limit(arch))
     assert spec.shared_bytes <= limit
 
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_75"])
 def test_older_archs_list_only_the_families_that_run_there(arch):
-    specs = nvrtc.listing_specs(arch)
-    families = {s.family for s in specs}
-    assert families == {"attention_fwd", "softmax"}
+    specs = families.listing_specs(arch)
+    assert {s.family for s in specs} == {"attention_fwd_simt", "softmax"}
     # every dtype has SIMT attention variants there (the tensor-core dtypes included)
-    assert {s.dtype for s in specs if s.family == "attention_fwd"} == {
+    assert {s.dtype for s in specs if s.family == "attention_fwd_simt"} == {
         "float16", "bfloat16", "float32", "float64"}
     # and sm_75's 64 KiB leaves out the float64 D = 256 block that sm_80 lists (72 KiB)
-    big = {s.key for s in nvrtc.listing_specs("sm_80") if s.family == "attention_fwd"
+    big = {s.key for s in families.listing_specs("sm_80") if s.family == "attention_fwd_simt"
            and s.dtype == "float64" and s.d == 256}
     assert big and (arch == "sm_70") == (big <= {s.key for s in specs})
 
@@ -72,7 +72,7 @@ def test_archs_the_installed_nvrtc_lacks_are_reported_with_the_install_line(monk
 def test_listing_has_unique_readable_keys():
     keys = [s.key for s in SPECS]
     assert len(keys) == len(set(keys))
-    assert "attention_fwd_f32_d64_dv64_bm32_bn64_w4_bias" in keys
+    assert "attention_fwd_simt_f32_d64_dv64_bm32_bn64_w4_bias" in keys
 
 
 def test_compile_error_is_reported():

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from cuonline.kernels import nvrtc, sass
-from cuonline.kernels.specs import MmaSpec
+from cuonline.toolchain import nvrtc, sass
+from cuonline.kernels.specs import AttentionMmaSpec
 
 SAMPLE = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -61,10 +61,11 @@ needs_tools = pytest.mark.skipif(
 # f16/bf16 d128 6.2, f64 d128 6.2, f16 d64 with two query tiles per warp 9.8; before the
 # hoisted addressing (f8c2ca3) 12.5, 10.4 and (one query tile) 20.8.
 BUDGET = [
-    (MmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2), 8.0),
-    (MmaSpec(dtype="bfloat16", d=128, dv=128, warps=4, block_n=64, stages=2), 8.0),
-    (MmaSpec(dtype="float64", d=128, dv=128, warps=2, block_n=16, stages=1), 8.0),
-    (MmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=32, stages=2, m_tiles=2), 12.0),
+    (AttentionMmaSpec(dtype="float16", d=128, dv=128, warps=4, block_n=64, stages=2), 8.0),
+    (AttentionMmaSpec(dtype="bfloat16", d=128, dv=128, warps=4, block_n=64, stages=2), 8.0),
+    (AttentionMmaSpec(dtype="float64", d=128, dv=128, warps=2, block_n=16, stages=1), 8.0),
+    (AttentionMmaSpec(dtype="float16", d=64, dv=64, warps=4, block_n=32, stages=2,
+                      m_tiles=2), 12.0),
 ]
 
 

@@ -1,9 +1,10 @@
 """softmax, log_softmax and logsumexp on the CUDA kernel (kernels_cu/softmax.cu), emulated on the
 CPU and, marked ``gpu``, on CuPy arrays; a ThreadSanitizer build of the emulated kernel.
 
-Every case runs through the public functions (``backend="emulate"`` / ``"cupy"``) or the named
-seam :func:`cuonline.engines.cuda_softmax.run` (to force the kernel's row loop and the host's
-row chunking), and is compared with a float64 oracle built on ``scipy.special`` and with the
+Every case runs through the public functions (``backend="emulate"`` / ``"cupy"``), or the
+engine :func:`cuonline.engines.cuda_softmax.run` under the named seam
+:func:`cuonline.engines.target.overrides` (to force the kernel's row loop and the host's row
+chunking), and is compared with a float64 oracle built on ``scipy.special`` and with the
 NumPy engine (``backend="numpy"``). Emulated variants cost ~2 s each to build cold, so the
 dtype x mode x mask grid is sampled, not crossed (NVRTC compiles all of it:
 test_kernels_nvrtc.py).
@@ -11,6 +12,7 @@ test_kernels_nvrtc.py).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -20,8 +22,10 @@ from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_av
                       check_races, tolerance)
 
 import cuonline
+from cuonline._validate import validate_axis_input
 from cuonline.engines import cuda_softmax
-from cuonline.kernels import nvrtc, source
+from cuonline.engines.target import overrides
+from cuonline.kernels import families, softmax_plan, source
 from cuonline.kernels.specs import SOFTMAX_MODES, SoftmaxSpec
 
 MODES = tuple(SOFTMAX_MODES)   # "softmax", "log_softmax", "logsumexp"
@@ -55,13 +59,20 @@ def run(backend, mode, x, axis=-1, mask=None, **kwargs):
                                 backend=backend, **kwargs))
 
 
-def run_seam(backend, mode, x, axis=-1, mask=None, **seams):
-    """:func:`cuda_softmax.run` with test seams (axis >= 0, mask broadcast as validation does)."""
-    axis %= x.ndim
-    if mask is not None:
-        mask = np.broadcast_to(mask, x.shape)
-    return _get(cuda_softmax.run(mode, _put(backend, x), axis, _put(backend, mask),
-                                 backend=backend, **seams))
+def run_seam(backend, mode, x, axis=-1, mask=None, scale=1.0, **seams):
+    """:func:`cuda_softmax.run` with the target's ``seams`` (:func:`overrides`) and the
+    problem's ``scale``; NumPy result."""
+    p = validate_axis_input(_put(backend, x), axis, _put(backend, mask), backend, mode=mode)
+    with overrides(**seams):
+        return _get(cuda_softmax.run(dataclasses.replace(p, scale=scale)))
+
+
+def plan(dtype, mode, has_mask, n, nrows, **knobs):
+    """:func:`softmax_plan.plan_softmax` of a problem with rows of ``n`` columns."""
+    x = np.broadcast_to(np.zeros((), dtype), (1, n))     # the planner reads shapes and dtypes
+    mask = np.broadcast_to(True, (1, n)) if has_mask else None
+    return softmax_plan.plan_softmax(validate_axis_input(x, -1, mask, "emulate", mode=mode),
+                                     nrows, **knobs)
 
 
 def oracle(mode, x, axis=-1, mask=None, keepdims=False, scale=1.0):
@@ -139,7 +150,7 @@ def test_row_lengths(backend, mode, n):
 
 
 def test_row_lengths_cover_every_block_shape():
-    shapes = {cuda_softmax.plan_softmax(np.float32, "softmax", False, n, 3).warps_per_row
+    shapes = {plan(np.float32, "softmax", False, n, 3).warps_per_row
               for n in (1, 17, 31, 32, 33, 1000, 1500, 3000, 4097)}
     assert shapes == {1, 2, 4, 8}
 
@@ -149,7 +160,6 @@ def test_row_lengths_cover_every_block_shape():
 
 
 def test_long_rows_are_cut_only_when_the_grid_would_be_too_small():
-    plan = cuda_softmax.plan_softmax
     few = plan(np.float32, "softmax", False, 10**6, 2, num_sms=132)
     assert few.segments == 61 and few.seg_len * few.segments >= 10**6   # 2 x 132 blocks
     assert (few.segments - 1) * few.seg_len < 10**6                     # no empty segment
@@ -169,9 +179,8 @@ def test_segmented_rows_match_the_oracle(backend, mode):
     mask[1, ::3] = False
     mask[2] = False                         # nothing visible: 0 / -inf
     seams = dict(min_segment=700, num_sms=8)
-    plan = cuda_softmax.plan_softmax(np.float32, mode, True, 4097, 3, num_sms=8,
-                                     min_segment=700)
-    assert plan.segments == 5 and plan.seg_len == 820
+    cut = plan(np.float32, mode, True, 4097, 3, num_sms=8, min_segment=700)
+    assert cut.segments == 5 and cut.seg_len == 820
     for m in (None, mask):
         got = run_seam(backend, mode, x, -1, m, **seams)
         assert_matches(got, oracle(mode, x, -1, m), x.dtype)
@@ -367,17 +376,17 @@ def test_numpy_arrays_keep_the_numpy_path(monkeypatch):
 def test_plan_is_a_pure_function_of_the_shape():
     for n in (1, 1024, 1025, 2049, 4097, 10**6):
         for dtype in (np.float16, np.float64):
-            plan = cuda_softmax.plan_softmax(dtype, "log_softmax", True, n, 10**7)
-            assert plan.warps_per_row * plan.rows_per_block * 32 == plan.block[0] == 256
-            assert n <= 1024 * plan.warps_per_row or plan.warps_per_row == 8
-            assert plan.grid == (cuda_softmax.MAX_BLOCKS, 1, 1)
+            launch = plan(dtype, "log_softmax", True, n, 10**7)
+            assert launch.warps_per_row * launch.rows_per_block * 32 == launch.block[0] == 256
+            assert n <= 1024 * launch.warps_per_row or launch.warps_per_row == 8
+            assert launch.grid == (softmax_plan.MAX_BLOCKS, 1, 1)
             tag = "f16" if dtype == np.float16 else "f64"
-            assert plan.spec.key == f"softmax_{tag}_logsoftmax_mask"
-    assert cuda_softmax.plan_softmax(np.float32, "softmax", False, 10, 3).grid == (1, 1, 1)
+            assert launch.spec.key == f"softmax_{tag}_logsoftmax_mask"
+    assert plan(np.float32, "softmax", False, 10, 3).grid == (1, 1, 1)
 
 
 def test_every_variant_is_in_the_nvrtc_listing():
-    keys = {s.key for s in nvrtc.listing_specs()}
+    keys = {s.key for s in families.listing_specs()}
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         acc = "float64" if dtype == "float64" else "float32"
         for mode in MODES:
@@ -410,10 +419,11 @@ def test_a_kernel_without_the_rescale_fails():
 
 _TSAN_SCRIPT = """
 import numpy as np
-from cuonline.engines import cuda_softmax
+import cuonline
+from cuonline.engines.target import overrides
 x = np.random.default_rng(0).standard_normal((3, 3000)).astype(np.float32)  # 4 warps per row
-out = cuda_softmax.run("softmax", x, 1, None, backend="emulate", max_blocks=1,
-                       kernel_sources={sources!r}, emulate_options=dict(tsan=True))
+with overrides(max_blocks=1, kernel_sources={sources!r}, emulate_options=dict(tsan=True)):
+    out = cuonline.softmax(x, axis=1, backend="emulate")
 print("DONE", float(np.abs(out.sum(axis=1) - 1).max()))
 """
 # Without it, a warp can overwrite its s_m/s_l slot for the next row while another warp of the

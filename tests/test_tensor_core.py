@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from conftest import emulation_available, gpu_available
 
-from cuonline.kernels import nvrtc, source
+from cuonline.kernels import source
+from cuonline.toolchain import nvrtc
 from cuonline.testing import emulate
 
 HERE = Path(__file__).resolve().parent

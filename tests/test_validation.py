@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import cuonline
+from cuonline._validate import validate_attention
 
 F = np.float32
 
@@ -112,6 +113,50 @@ CASES = [
     ("kv_lengths huge negative", lambda: cuonline.attention(q, k, v, kv_lengths=[2**70, -2**70]),
      ValueError, r"`kv_lengths` must be >= 0, got minimum -1180591620717411303424"),
 ]
+
+
+def _zeros(*shape):
+    """A float32 view of ``shape`` over one element: huge shapes cost nothing."""
+    return np.broadcast_to(np.float32(0), shape)
+
+
+#: The CUDA kernels' size limits, raised by validation (the engine and the planner never see
+#: such a call): head width, 32-bit sequence lengths, the grid of batch x query blocks.
+CUDA_LIMITS = [
+    ("head dim", (_zeros(4, 257), _zeros(5, 257), _zeros(5, 2)),
+     r"backend='emulate' supports head dimensions up to 256, got D = 257, Dv = 2; use "
+     r"backend='numpy'"),
+    ("Lk >= 2**31", (_zeros(4, 3), _zeros(2**31, 3), _zeros(2**31, 2)),
+     r"backend='emulate' needs Lq and Lk below 2\*\*31, got Lq = 4, Lk = 2147483648"),
+    ("grid", (_zeros(2**29, 17, 1), _zeros(1, 5, 1), _zeros(1, 5, 1)),
+     r"the batch shape \(536870912,\) with Lq = 17 may need 2684354560 blocks, above CUDA's "
+     r"grid limit 2147483647; split the batch"),
+]
+
+
+@pytest.mark.parametrize("qkv,message", [c[1:] for c in CUDA_LIMITS],
+                         ids=[c[0] for c in CUDA_LIMITS])
+def test_cuda_size_limits_are_validation_errors(qkv, message):
+    with pytest.raises(ValueError, match=message):
+        validate_attention(*qkv, backend="emulate")
+    # the NumPy engine has none of these limits: the same views validate there
+    validate_attention(*qkv, backend="numpy")
+
+
+def test_grid_bound_holds_for_every_family_at_its_edge():
+    """Just below the bound validation accepts, and every family plans a grid within CUDA's
+    limit (the planner's check is an internal assertion)."""
+    from cuonline.kernels import families, heuristics
+
+    nbatch = heuristics.MAX_GRID_X // 5            # Lq = 17: at most 5 blocks of 4 rows
+    p = validate_attention(_zeros(nbatch, 17, 64), _zeros(1, 40, 64), _zeros(1, 40, 64),
+                           backend="emulate")
+    for family in families.forward_families():
+        for arch in ("sm_75", "sm_90"):
+            if family.name.endswith("mma") and arch == "sm_75":
+                continue
+            plan = families.plan_attention(p, family=family.name, arch=arch)
+            assert plan.grid[0] <= heuristics.MAX_GRID_X
 
 
 @pytest.mark.parametrize("call,exc,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

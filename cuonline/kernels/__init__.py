@@ -1,5 +1,4 @@
-"""CUDA kernel variants: specs, heuristics, source text and NVRTC listings (no CuPy imported)."""
-
-from .specs import KernelSpec
-
-__all__ = ["KernelSpec"]
+"""The pure description of cuonline's CUDA kernels: the family registry (:mod:`.families`),
+the attention options (:mod:`.features`), the specs, planners, argument builders, kernel text
+and the pure parts of ``tune``. No CuPy (not even lazily), no engine, no I/O beyond reading
+the kernel text."""

@@ -15,10 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .specs import MMA_MAX_HEAD_DIM, KernelSpec, MmaSpec
+from . import features
+from .specs import MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name, dtype_name
 
-__all__ = ["D_BUCKETS", "MMA_TILES", "MmaTiles", "Plan", "arch_number", "choose_mma_tiles",
-           "choose_splits", "choose_tiles", "d_bucket", "mma_supported", "plan_attention",
+__all__ = ["COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES", "MmaTiles",
+           "Plan", "arch_number", "choose_mma_tiles", "choose_splits", "choose_tiles",
+           "combine_launch", "d_bucket", "mma_supported", "plan_mma", "plan_simt",
            "simt_smem_limit", "tuned_tiles", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
@@ -34,6 +36,13 @@ MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 256
 #: Grid x (query tiles x batch) must stay below the CUDA limit.
 MAX_GRID_X = 2**31 - 1
+#: The smallest query block any attention family plans for more than 16 query rows (SIMT:
+#: 4 warps of one row; tensor cores: 2 warps of 16 rows); up to 16 rows every family plans one
+#: block. Validation bounds ``batch x ceil(Lq / MIN_BLOCK_M)`` by MAX_GRID_X with it, so the
+#: planner's grid check can only fail on a planner bug.
+MIN_BLOCK_M = 4
+#: Warps per block of the split-key combine (kWarps in attention_combine.cuh).
+COMBINE_WARPS = 4
 #: Architecture assumed where none is known (the emulation, listings).
 DEFAULT_ARCH = "sm_90"
 #: Dynamic shared memory one block may opt into (sm_80: 163 KiB, sm_90: 227 KiB): the archs
@@ -53,7 +62,7 @@ D_BUCKETS = (32, 64, 128, 256)
 class MmaTiles(NamedTuple):
     """Tiles of the tensor-core family: ``block_m = 16 * m_tiles * warps`` query rows and
     ``block_n`` keys per tile, ``stages`` K/V tiles in flight (see
-    :class:`~cuonline.kernels.specs.MmaSpec`)."""
+    :class:`~cuonline.kernels.specs.AttentionMmaSpec`)."""
 
     warps: int
     block_n: int
@@ -131,15 +140,14 @@ def tuned_tiles(tuned, family, dtype, width):
     """The stored winner of ``python -m cuonline tune`` for this family, dtype and head width.
 
     ``tuned`` maps ``(family, dtype name, D bucket)`` to a tile tuple: :class:`MmaTiles`
-    ``(warps, block_n, stages, m_tiles)`` for ``"attention_mma"``, ``(warps, rows_per_warp,
-    keys_per_lane)`` for ``"attention_fwd"`` (see :mod:`cuonline.kernels.tuning`, which loads
-    and validates it). None or ``{}``: no winner, the built-in choice applies. Returns the
-    tuple or None.
+    ``(warps, block_n, stages, m_tiles)`` for ``"attention_fwd_mma"``, ``(warps,
+    rows_per_warp, keys_per_lane)`` for ``"attention_fwd_simt"`` (see
+    :mod:`cuonline.kernels.tuning`, which validates it). None or ``{}``: no winner, the
+    built-in choice applies. Returns the tuple or None.
     """
     if not tuned:
         return None
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    tiles = tuned.get((family, name, d_bucket(width)))
+    tiles = tuned.get((family, dtype_name(dtype), d_bucket(width)))
     return None if tiles is None else tuple(tiles)
 
 
@@ -147,7 +155,7 @@ def tuned_tiles(tuned, family, dtype, width):
 class Plan:
     """A launch: the kernel variant and its grid."""
 
-    spec: KernelSpec
+    spec: AttentionSimtSpec | AttentionMmaSpec
     n_qtiles: int
     n_splits: int
     split_keys: int          # keys per split (a multiple of block_n); lk when not split
@@ -171,8 +179,8 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     this dtype and D bucket replaces the built-in choice for long sequences (it was measured at
     N = 4096); the occupancy rule below still shrinks it for small grids.
     """
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name  # "bfloat16" w/o ml_dtypes
-    winner = tuned_tiles(tuned, "attention_fwd", name, max(d, dv))
+    name = dtype_name(dtype)
+    winner = tuned_tiles(tuned, AttentionSimtSpec.family, name, max(d, dv))
     if winner is not None and lq > 16:
         # A measured winner (tuning.candidates kept it within the budgets below at the bucket's
         # full width, hence at every narrower head); decoding shapes keep the rules below.
@@ -180,7 +188,7 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
         while rows > 2 and nbatch * math.ceil(lq / (warps * rows)) < 2 * num_sms:
             rows //= 2
         return warps, rows, keys
-    acc_bytes = 8 if name == "float64" else 4
+    acc_bytes = np.dtype(acc_name(name)).itemsize
     words = acc_bytes // 4
     cols = math.ceil(dv / 32)
     warps = WARPS
@@ -239,7 +247,7 @@ def uses_mma(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> bool:
     """
     if not mma_supported(arch):
         return False
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    name = dtype_name(dtype)
     if name == "float32" and precision != "tf32":
         return False
     limit = MMA_MAX_HEAD_DIM.get(name, 0)
@@ -252,18 +260,23 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
     ``tuned``: winners stored by ``python -m cuonline tune`` for the current GPU (see
     :func:`tuned_tiles`); one for this dtype and D bucket comes before :data:`MMA_TILES`.
     """
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    name = dtype_name(dtype)
     arch = arch if arch in SMEM_OPT_IN_LIMIT else DEFAULT_ARCH  # newer GPUs: the sm_90 table
     width = max(d, dv)
     # A measured winner first (measured on this GPU; tuning.candidates kept it within this
     # arch's shared-memory limit at the bucket's full width), else the built-in table.
-    winner = tuned_tiles(tuned, "attention_mma", name, width)
+    winner = tuned_tiles(tuned, AttentionMmaSpec.family, name, width)
     tiles = MmaTiles(*(winner or MMA_TILES[(arch, name, d_bucket(width))]))
     # Few query rows: two query tiles per warp only when one per warp would fill the block
     # (else more warps, each with one tile, finish sooner; decoding: one warp, no idle tile,
     # and the key split fills the GPU), then no warp without a row.
     m_tiles = tiles.m_tiles if lq > 16 * tiles.warps else 1
     warps = max(1, min(tiles.warps, math.ceil(max(lq, 1) / (16 * m_tiles))))
+    if (arch == "sm_80" and warps == 1 and winner is None and d_bucket(width) == 128
+            and name in ("float16", "bfloat16")):
+        # One warp at D = 128 (decoding): sm_80's ptxas held the 64-key tile at 255 registers
+        # and spilled 4 bytes beside the post-loop non-finite check; 32 keys take 228, no spill.
+        tiles = tiles._replace(block_n=min(tiles.block_n, 32))
     return tiles._replace(warps=warps, m_tiles=m_tiles)
 
 
@@ -280,36 +293,13 @@ def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
     return math.ceil(lk / split_keys), split_keys
 
 
-def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFAULT_ARCH,
-                   cp_async=True, family=None, tuned=None):
-    """Plan the launch of :class:`cuonline._validate.Problem` ``problem``.
+def combine_launch(nrows):
+    """``(grid, block)`` of the split-key combine over ``nrows`` query rows: a warp per row."""
+    return (math.ceil(nrows / COMBINE_WARPS), 1, 1), (32 * COMBINE_WARPS, 1, 1)
 
-    ``n_splits`` forces a number of key splits (tests); None lets :func:`choose_splits` decide.
-    ``arch`` (``"sm_70"`` ... ``"sm_90"``) selects the family and the tile tables; ``cp_async`` says
-    whether q, k and v rows are 16-byte aligned with unit column stride (the host checks the
-    strides and data pointers), else the tensor-core kernel loads element by element.
-    ``family`` forces ``"attention_fwd"`` (SIMT) or ``"attention_mma"`` (sm_80 and newer); None
-    applies :func:`uses_mma`, which takes the SIMT family for every dtype below sm_80. ``tuned``
-    maps ``(family, dtype, D bucket)`` to the tiles that ``python -m cuonline tune`` measured
-    fastest on this GPU (:func:`tuned_tiles`); None or ``{}`` keeps the built-in choices.
-    """
-    dtype = np.dtype(problem.dtype)
-    if family is None:
-        mma = uses_mma(dtype, problem.d, problem.dv, problem.precision, arch)
-    elif family in ("attention_mma", "attention_fwd"):
-        mma = family == "attention_mma"
-    else:
-        raise ValueError(f"family must be 'attention_fwd' or 'attention_mma', got {family!r}")
-    if mma and not mma_supported(arch):
-        raise ValueError(f"family 'attention_mma' needs sm_{MIN_MMA_ARCH} or newer "
-                         f"(mma.sync, cp.async), got arch {arch!r}")
-    if mma:
-        tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned)
-        block_m, block_n = 16 * tiles.m_tiles * tiles.warps, tiles.block_n
-    else:
-        warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq,
-                                         problem.nbatch, num_sms, tuned, arch)
-        block_m, block_n = warps * rows, 32 * keys
+
+def _plan_forward(problem, family, block_m, block_n, make_spec, num_sms, n_splits):
+    """The part of a forward plan every family shares: key splits, grid, flags, spec."""
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:
         n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
@@ -318,24 +308,52 @@ def plan_attention(problem, *, num_sms=DEFAULT_NUM_SMS, n_splits=None, arch=DEFA
         split_keys = math.ceil(math.ceil(problem.lk / max(n_splits, 1)) / block_n) * block_n
         n_splits = max(1, math.ceil(problem.lk / split_keys))
     grid_x = problem.nbatch * n_qtiles
-    if grid_x > MAX_GRID_X:
-        raise ValueError(
-            f"batch x query tiles = {grid_x} exceeds the CUDA grid limit {MAX_GRID_X}; "
-            f"split the batch into chunks"
-        )
-    flags = dict(
-        window=problem.has_window, bias=problem.bias is not None,
-        mask=problem.mask is not None, kv_lengths=problem.kv_lengths is not None,
-        alibi=problem.alibi_slopes is not None, softcap=problem.softcap is not None,
-        return_lse=problem.return_lse, split=n_splits > 1,
-    )
-    if mma:
-        spec = MmaSpec(dtype=dtype.name, d=problem.d, dv=problem.dv, cp_async=cp_async,
-                       **tiles._asdict(), **flags)
-    else:
-        spec = KernelSpec(dtype=dtype.name, acc=np.dtype(problem.acc_dtype).name, d=problem.d,
-                          dv=problem.dv, warps=warps, rows_per_warp=rows, keys_per_lane=keys,
-                          **flags)
+    # _validate bounds batch x ceil(Lq / MIN_BLOCK_M): a valid call never gets here
+    if grid_x > MAX_GRID_X or (problem.lq > 16 and block_m < MIN_BLOCK_M):
+        raise AssertionError(f"planner bug: {block_m}-row blocks give grid x = {grid_x}")
+    spec = make_spec(features=features.of_problem(problem, family), split=n_splits > 1)
     return Plan(spec=spec, n_qtiles=n_qtiles, n_splits=n_splits, split_keys=split_keys,
                 grid=(grid_x, 1, n_splits), block=(spec.threads, 1, 1),
                 shared_bytes=spec.shared_bytes)
+
+
+def plan_simt(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
+              tuned=None, cp_async=True):
+    """Plan :class:`cuonline._validate.Problem` ``problem`` on the SIMT family.
+
+    ``arch`` bounds the block's shared memory (:func:`choose_tiles`), ``num_sms`` steers the
+    tile height and the key split, ``n_splits`` forces a number of key splits (None:
+    :func:`choose_splits`), ``tuned`` maps ``(family, dtype, D bucket)`` to the tiles ``python
+    -m cuonline tune`` measured fastest (:func:`tuned_tiles`). ``cp_async`` is unused (one
+    loader reads any strides); it is taken so that every forward planner has one signature.
+    """
+    dtype = dtype_name(problem.dtype)
+    warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq, problem.nbatch,
+                                     num_sms, tuned, arch)
+
+    def make_spec(**flags):
+        return AttentionSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
+                                 dv=problem.dv, warps=warps, rows_per_warp=rows,
+                                 keys_per_lane=keys, **flags)
+
+    return _plan_forward(problem, AttentionSimtSpec.family, warps * rows, 32 * keys, make_spec,
+                         num_sms, n_splits)
+
+
+def plan_mma(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
+             tuned=None, cp_async=True):
+    """Plan ``problem`` on the tensor-core family (sm_80 and newer); arguments as
+    :func:`plan_simt`, and ``cp_async``: whether q, k and v rows are 16-byte aligned with unit
+    column stride (else the kernel loads element by element)."""
+    if not mma_supported(arch):
+        raise ValueError(f"family {AttentionMmaSpec.family!r} needs sm_{MIN_MMA_ARCH} or newer "
+                         f"(mma.sync, cp.async), got arch {arch!r}")
+    dtype = dtype_name(problem.dtype)
+    tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned)
+
+    def make_spec(**flags):
+        return AttentionMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, cp_async=cp_async,
+                                **tiles._asdict(), **flags)
+
+    return _plan_forward(problem, AttentionMmaSpec.family, 16 * tiles.m_tiles * tiles.warps,
+                         tiles.block_n, make_spec, num_sms, n_splits)

@@ -1,10 +1,11 @@
 """Kernel source text: ``#define`` lines + the family's headers + one family's ``.cu`` text.
 
 The CuPy path, the emulation and the NVRTC listing all compile the string returned by
-:func:`build_source`, so they always see the same text. Headers (``common.cuh``, and whatever
-else a spec class lists in its ``headers`` attribute: ``tensor_core.cuh``,
-``attention_combine.cuh``) are pasted, not ``#include``'d: CuPy's on-disk cache key hashes the
-source string and the options only.
+:func:`build_source`, so they always see the same text. Which files make up a variant's text
+(headers such as ``common.cuh`` and ``tensor_core.cuh``, the included split-key combine, the
+family's own source) is the family registry's to say
+(:func:`cuonline.kernels.families.files_of`). Headers are pasted, not ``#include``'d: CuPy's
+on-disk cache key hashes the source string and the options only.
 
 The ``.cu`` files live in the repository's top-level ``kernels_cu/``; the wheel ships them as
 the package data ``cuonline.kernels_cu``. From a source tree (no install) they are read from
@@ -17,9 +18,9 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-__all__ = ["build_source", "headers_of", "read_kernel_file"]
+from . import families
 
-COMMON_HEADER = "common.cuh"
+__all__ = ["build_source", "read_kernel_file"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,13 +40,8 @@ def read_kernel_file(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def headers_of(spec) -> tuple:
-    """The files pasted before ``<family>.cu``: the spec's ``headers``, else common.cuh alone."""
-    return tuple(getattr(spec, "headers", (COMMON_HEADER,)))
-
-
 def build_source(spec, *, overrides: dict | None = None) -> str:
-    """Full compilable text of ``spec``: its defines, its headers, then ``<family>.cu``.
+    """Full compilable text of ``spec``: its defines, then the texts of its family's files.
 
     ``overrides`` maps a file name (``"common.cuh"``, ``"attention_fwd.cu"``) to a text that
     replaces it: tests compile deliberately broken copies through this same path.
@@ -57,5 +53,5 @@ def build_source(spec, *, overrides: dict | None = None) -> str:
 
     lines = [f"// cuonline kernel variant {spec.key}"]
     lines += [f"#define {name} {value}" for name, value in spec.defines().items()]
-    files = headers_of(spec) + (f"{spec.family}.cu",)
+    files = families.files_of(spec)
     return "\n".join(["\n".join(lines)] + [text(name) for name in files])

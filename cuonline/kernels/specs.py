@@ -1,10 +1,11 @@
 """Compile-time parameters of each kernel variant, with a readable key.
 
-A :class:`KernelSpec` is the one object that names a compiled variant: the CuPy module cache,
-the emulation, the NVRTC listing, logs and error messages all use its :attr:`KernelSpec.key`.
-Its :meth:`KernelSpec.defines` are pasted as ``#define`` lines at the top of the source text
-(see :mod:`cuonline.kernels.source`), so every variant is the same ``.cu`` text specialised by
-constants, never a copy.
+A spec (:class:`AttentionSimtSpec`, :class:`AttentionMmaSpec`, :class:`SoftmaxSpec`: one
+class per kernel family, see :mod:`cuonline.kernels.families`) is the one object that names a
+compiled variant: the CuPy module cache, the emulation, the NVRTC listing, logs and error
+messages all use its ``key``, which starts with the family's name. Its ``defines()`` are pasted
+as ``#define`` lines at the top of the source text (see :mod:`cuonline.kernels.source`), so
+every variant is the same ``.cu`` text specialised by constants, never a copy.
 """
 
 from __future__ import annotations
@@ -13,48 +14,71 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["AttentionFeatures", "FEATURES", "KernelSpec", "MAX_HEAD_DIM", "MMA_INSTRUCTIONS",
-           "MMA_MAX_HEAD_DIM", "MmaSpec", "SOFTMAX_MODES", "SoftmaxSpec", "dtype_tag"]
+from .. import _semantics
+from . import features as _features
+
+__all__ = ["AttentionMmaSpec", "AttentionSimtSpec", "AttentionSpec", "MAX_HEAD_DIM",
+           "MMA_INSTRUCTIONS", "MMA_MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "acc_name",
+           "dtype_name", "dtype_tag"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
-
-#: Feature flags in key order; each maps to a ``CUONLINE_<FLAG>`` define.
-FEATURES = ("window", "bias", "mask", "kv_lengths", "alibi", "softcap", "return_lse")
 
 _TAGS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
             "float64": "double"}
 
 
+def dtype_name(dtype) -> str:
+    """The name of a dtype given as a name or a dtype (``"bfloat16"`` needs no ml_dtypes)."""
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def acc_name(dtype) -> str:
+    """Name of the accumulation dtype of ``dtype``: :func:`cuonline._semantics.accumulation_dtype`,
+    with ``"bfloat16"`` judged by float16 (a 16-bit float NumPy knows without ml_dtypes)."""
+    name = dtype_name(dtype)
+    return _semantics.accumulation_dtype("float16" if name == "bfloat16" else name).name
+
+
 @dataclass(frozen=True, kw_only=True)
-class AttentionFeatures:
-    """The option flags both attention families compile in: keyword-only fields of
-    :class:`KernelSpec` and :class:`MmaSpec`, with what they derive from them.
+class AttentionSpec:
+    """What every attention variant has: the option flags of
+    :data:`cuonline.kernels.features.FEATURES` and the key split, keyword-only fields of
+    :class:`AttentionSimtSpec` and :class:`AttentionMmaSpec`, with what derives from them.
 
     Attributes
     ----------
-    window, bias, mask, kv_lengths, alibi, softcap, return_lse : bool
-        Compile-time feature flags (causal is folded into ``window``).
+    features : tuple of str
+        Names of the compiled-in options, a subset of the feature table in its order (causal is
+        folded into ``window``).
     split : bool
-        Keys are split across ``grid.z``; partial states go to a workspace and a second kernel
-        (``cuonline_attention_combine``) merges them.
+        Keys are split across ``grid.z``; partial states go to a workspace and the
+        ``attention_combine`` family's kernel merges them.
     """
 
-    window: bool = False
-    bias: bool = False
-    mask: bool = False
-    kv_lengths: bool = False
-    alibi: bool = False
-    softcap: bool = False
-    return_lse: bool = False
+    features: tuple = ()
     split: bool = False
 
-    combine_entry = "cuonline_attention_combine"
+    def _check_features(self):
+        rows = _features.supported_by(self.family)
+        names = tuple(f.name for f in rows)
+        if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
+                or any(n not in names for n in self.features)):
+            raise ValueError(f"features of {self.family} must be a tuple of distinct names "
+                             f"among {names}, got {self.features!r}")
+        # one order for keys and equality: the table's
+        object.__setattr__(self, "features", tuple(n for n in names if n in self.features))
 
     @property
-    def features(self) -> tuple:
-        return tuple(f for f in FEATURES if getattr(self, f))
+    def acc_itemsize(self) -> int:
+        """Bytes of one accumulation-dtype element."""
+        return np.dtype(self.acc).itemsize
+
+    def has(self, name: str) -> bool:
+        """Whether option ``name`` (a row of the feature table) is compiled in."""
+        _features.by_name(name)
+        return name in self.features
 
     def _flag_key(self) -> list:
         """The end of the key: the features, then ``split``."""
@@ -63,7 +87,7 @@ class AttentionFeatures:
     def defines(self) -> dict:
         """``#define`` name -> value, in a fixed order: element and accumulation types, head
         dims and warps (fields every attention spec has), the family's tile parameters, then
-        the flags."""
+        one define per row of the feature table, then the split."""
         out = {
             "CUONLINE_T": _C_TYPES[self.dtype],
             "CUONLINE_ACC": _C_TYPES[self.acc],
@@ -72,20 +96,10 @@ class AttentionFeatures:
             "CUONLINE_WARPS": self.warps,
         }
         out.update(self._tile_defines())
-        out.update(self._flag_defines())
-        return out
-
-    def _flag_defines(self) -> dict:
-        out = {}
-        for f in FEATURES:
-            name = "CUONLINE_RETURN_LSE" if f == "return_lse" else f"CUONLINE_HAS_{f.upper()}"
-            out[name] = int(getattr(self, f))
+        for f in _features.FEATURES:
+            out[f.define] = int(f.name in self.features)
         out["CUONLINE_SPLIT"] = int(self.split)
         return out
-
-    def entries(self) -> tuple:
-        """Kernel symbols this variant defines."""
-        return (self.entry, self.combine_entry)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -93,13 +107,12 @@ class AttentionFeatures:
 
 def dtype_tag(dtype) -> str:
     """Short tag of a floating dtype name: ``float16`` -> ``f16``."""
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    return _TAGS[name]
+    return _TAGS[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
-class KernelSpec(AttentionFeatures):
-    """One variant of the ``attention_fwd`` family.
+class AttentionSimtSpec(AttentionSpec):
+    """One variant of the SIMT attention forward family ``attention_fwd_simt``.
 
     Attributes
     ----------
@@ -110,8 +123,8 @@ class KernelSpec(AttentionFeatures):
     warps, rows_per_warp, keys_per_lane : int
         Block shape: ``block_m = warps * rows_per_warp`` query rows per block and
         ``block_n = 32 * keys_per_lane`` keys per tile.
-    window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
-        Keyword-only: see :class:`AttentionFeatures`.
+    features, split
+        Keyword-only: see :class:`AttentionSpec`.
     """
 
     dtype: str
@@ -122,10 +135,7 @@ class KernelSpec(AttentionFeatures):
     rows_per_warp: int
     keys_per_lane: int
 
-    family = "attention_fwd"
-    entry = "cuonline_attention_fwd"
-    #: Files pasted before the family's .cu, in order (see cuonline.kernels.source).
-    headers = ("common.cuh", "attention_block.cuh", "attention_combine.cuh")
+    family = "attention_fwd_simt"
 
     def __post_init__(self):
         if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
@@ -134,6 +144,7 @@ class KernelSpec(AttentionFeatures):
             value = getattr(self, name)
             if not 1 <= value <= MAX_HEAD_DIM:
                 raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
+        self._check_features()
 
     @property
     def block_m(self) -> int:
@@ -148,10 +159,6 @@ class KernelSpec(AttentionFeatures):
         return 32 * self.warps
 
     @property
-    def acc_itemsize(self) -> int:
-        return np.dtype(self.acc).itemsize
-
-    @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one block: sQ (block_m, d) + sKV (block_n, max(d, dv) + 1)."""
         return (self.block_m * self.d + self.block_n * (max(self.d, self.dv) + 1)) * (
@@ -160,12 +167,13 @@ class KernelSpec(AttentionFeatures):
 
     @property
     def key(self) -> str:
-        """Readable unique name, e.g. ``attention_fwd_f32_d64_dv64_bm16_bn64_w4_window_bias``."""
+        """Readable unique name, e.g.
+        ``attention_fwd_simt_f32_d64_dv64_bm16_bn64_w4_window_bias``."""
         parts = [
             self.family, dtype_tag(self.dtype), f"d{self.d}", f"dv{self.dv}",
             f"bm{self.block_m}", f"bn{self.block_n}", f"w{self.warps}",
         ]
-        if self.acc != ("float64" if self.dtype == "float64" else "float32"):
+        if self.acc != acc_name(self.dtype):
             parts.append(f"acc{dtype_tag(self.acc)}")
         return "_".join(parts + self._flag_key())
 
@@ -202,9 +210,6 @@ class SoftmaxSpec:
     mask: bool = False
 
     family = "softmax"
-    entry = "cuonline_softmax"
-    #: Long rows cut into segments: statistics per segment, then merge and write.
-    segment_entries = ("cuonline_softmax_partial", "cuonline_softmax_finish")
     #: Largest block (``__launch_bounds__`` in softmax.cu).
     threads = 256
     #: No dynamic shared memory (the per-warp states are static).
@@ -220,7 +225,7 @@ class SoftmaxSpec:
     def key(self) -> str:
         """Readable unique name, e.g. ``softmax_f32_logsoftmax_mask``."""
         parts = [self.family, dtype_tag(self.dtype), SOFTMAX_MODES[self.mode][0]]
-        if self.acc != ("float64" if self.dtype == "float64" else "float32"):
+        if self.acc != acc_name(self.dtype):
             parts.append(f"acc{dtype_tag(self.acc)}")
         if self.mask:
             parts.append("mask")
@@ -234,10 +239,6 @@ class SoftmaxSpec:
             "CUONLINE_SOFTMAX_MODE": SOFTMAX_MODES[self.mode][1],
             "CUONLINE_HAS_MASK": int(self.mask),
         }
-
-    def entries(self) -> tuple:
-        """Kernel symbols this variant defines."""
-        return (self.entry,) + self.segment_entries
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -264,8 +265,8 @@ def _smem_stride(cols: int, itemsize: int) -> int:
 
 
 @dataclass(frozen=True)
-class MmaSpec(AttentionFeatures):
-    """One variant of the tensor-core family ``attention_mma`` (``kernels_cu/attention_mma.cu``).
+class AttentionMmaSpec(AttentionSpec):
+    """One variant of the tensor-core attention forward family ``attention_fwd_mma``.
 
     Attributes
     ----------
@@ -286,8 +287,8 @@ class MmaSpec(AttentionFeatures):
         K and V fragment a warp reads from shared memory feeds twice the mmas (half the
         shared-memory traffic per flop, FlashAttention-2's 32 rows per warp), for twice the
         accumulator registers.
-    window, bias, mask, kv_lengths, alibi, softcap, return_lse, split : bool
-        Keyword-only: see :class:`AttentionFeatures`.
+    features, split
+        Keyword-only: see :class:`AttentionSpec`.
     """
 
     dtype: str
@@ -299,10 +300,7 @@ class MmaSpec(AttentionFeatures):
     cp_async: bool = True
     m_tiles: int = 1
 
-    family = "attention_mma"
-    entry = "cuonline_attention_mma"
-    headers = ("common.cuh", "tensor_core.cuh", "attention_block.cuh",
-               "attention_combine.cuh")
+    family = "attention_fwd_mma"
 
     def __post_init__(self):
         if self.dtype not in MMA_MAX_HEAD_DIM:
@@ -316,10 +314,11 @@ class MmaSpec(AttentionFeatures):
                 or self.m_tiles not in (1, 2)):
             raise ValueError(f"bad tile shape: warps={self.warps}, block_n={self.block_n}, "
                              f"stages={self.stages}, m_tiles={self.m_tiles}")
+        self._check_features()
 
     @property
     def acc(self) -> str:
-        return "float64" if self.dtype == "float64" else "float32"
+        return acc_name(self.dtype)
 
     @property
     def block_m(self) -> int:
@@ -350,7 +349,7 @@ class MmaSpec(AttentionFeatures):
 
     @property
     def key(self) -> str:
-        """Readable unique name, e.g. ``attention_mma_f16_d64_dv64_bm64_bn64_s2_window``
+        """Readable unique name, e.g. ``attention_fwd_mma_f16_d64_dv64_bm64_bn64_s2_window``
         (``_mt2`` after ``bm`` for two query tiles per warp)."""
         tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
         parts = [self.family, tag, f"d{self.d}", f"dv{self.dv}", f"bm{self.block_m}"]

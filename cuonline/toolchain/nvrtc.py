@@ -19,13 +19,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import source
-from .heuristics import (DEFAULT_ARCH, arch_number, choose_mma_tiles, choose_tiles,
-                         mma_supported)
-from .specs import SOFTMAX_MODES, KernelSpec, MmaSpec, SoftmaxSpec
+from ..kernels import families, source
+from ..kernels.heuristics import DEFAULT_ARCH, arch_number
 
-__all__ = ["CompileReport", "NvrtcUnavailable", "arch_unavailable", "compile_ptx",
-           "compile_source", "compile_spec", "cuda_include_dir", "listing", "listing_specs",
+__all__ = ["CompileReport", "NvrtcUnavailable", "arch_unavailable", "compile_options",
+           "compile_ptx", "compile_source", "compile_spec", "cuda_include_dir", "listing",
            "nvrtc_available"]
 
 #: The archs the compile tests cover: V100 (sm_70) and T4 (sm_75) run the SIMT and softmax
@@ -285,19 +283,31 @@ def arch_unavailable(arch: str) -> str | None:
     return None
 
 
-def compile_options(arch: str, *, verbose: bool = True, include: str | None = None) -> tuple:
-    """NVRTC options for a real compile: the same ones the CuPy engine passes (plus -v).
+def compile_options(arch: str | None = None, *, verbose: bool = True,
+                    include: str | None = None) -> tuple:
+    """The NVRTC options of every compile of kernel text: the CuPy engine's
+    (``cupy.RawModule``, ``arch=None``: CuPy adds the device's ``-arch``; ``verbose=False``)
+    and the listing's and tests' (``arch`` given; ``verbose`` adds ptxas's report).
 
-    ``include``: the CUDA headers' directory (default :func:`cuda_include_dir`)."""
+    ``include``: the CUDA headers' directory (default :func:`cuda_include_dir`; where none is
+    found the option is left out, and CuPy uses its own)."""
     include = include or cuda_include_dir()
-    if include is None:
-        raise NvrtcUnavailable(
-            "the CUDA headers (cuda_fp16.h) were not found: pip install \"nvidia-cuda-runtime==13.*\""
-        )
-    opts = [f"-arch={arch}", "-std=c++17", f"-I{include}"]
+    opts = [] if arch is None else [f"-arch={arch}"]
+    opts.append("-std=c++17")
+    if include is not None:
+        opts.append(f"-I{include}")
     if verbose:
         opts.append("-Xptxas=-v")
     return tuple(opts)
+
+
+def _offline_options(arch: str, include: str | None) -> tuple:
+    """:func:`compile_options` for a compile without CuPy, which needs the CUDA headers."""
+    if (include or cuda_include_dir()) is None:
+        raise NvrtcUnavailable(
+            "the CUDA headers (cuda_fp16.h) were not found: pip install \"nvidia-cuda-runtime==13.*\""
+        )
+    return compile_options(arch, include=include)
 
 
 _USAGE_RE = re.compile(r"Compiling entry function '(\w+)'")
@@ -328,7 +338,7 @@ def compile_source(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu")
     """Compile ``text`` for ``arch``; return ``(log, seconds)``; raise RuntimeError on errors."""
     backend = _backend(arch)
     t0 = time.perf_counter()
-    ok, log, _ = backend.compile(text, name, compile_options(arch, include=backend.include))
+    ok, log, _ = backend.compile(text, name, _offline_options(arch, backend.include))
     seconds = time.perf_counter() - t0
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
@@ -342,7 +352,7 @@ def compile_ptx(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") ->
     check which instructions a kernel really issues. Raises RuntimeError on compile errors.
     """
     backend = _backend(arch)
-    ok, log, ptx = backend.compile(text, name, compile_options(arch, include=backend.include),
+    ok, log, ptx = backend.compile(text, name, _offline_options(arch, backend.include),
                                    output="ptx")
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
@@ -356,97 +366,6 @@ def compile_spec(spec, arch: str = "sm_90") -> CompileReport:
                          kernels=parse_ptxas_log(log), log=log)
 
 
-def _spec(dtype, d, dv, lq, *, split=False, arch=DEFAULT_ARCH, **flags):
-    acc = "float64" if dtype == "float64" else "float32"
-    try:
-        warps, rows, keys = choose_tiles(dtype, d, dv, lq, nbatch=32, arch=arch)
-    except ValueError:
-        return None   # does not fit this arch's shared memory: the planner refuses it too
-    return KernelSpec(dtype=dtype, acc=acc, d=d, dv=dv, warps=warps, rows_per_warp=rows,
-                      keys_per_lane=keys, split=split, **flags)
-
-
-def _mma_spec(dtype, d, dv, lq, *, cp_async=True, arch=DEFAULT_ARCH, **flags):
-    return MmaSpec(dtype=dtype, d=d, dv=dv, cp_async=cp_async,
-                   **choose_mma_tiles(dtype, d, dv, lq, arch)._asdict(), **flags)
-
-
-_ALL_FLAGS = dict(window=True, bias=True, mask=True, kv_lengths=True, alibi=True, softcap=True,
-                  return_lse=True)
-
-
-def _mma_listing_specs(arch: str = DEFAULT_ARCH) -> list:
-    """Tensor-core family: every dtype (float32 = TF32) x D in {32, 64, 96, 128, 256} (float64
-    up to 128), Dv != D, each feature flag alone at D = 64 and all together at D = 64 and 128
-    (f16 and tf32), all flags at f64 D = 64, the decoding shape (Lq = 1, split keys), split
-    keys with many queries (f16 and tf32) and the element-wise loader (strided views)."""
-    specs = []
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
-        dims = (32, 64, 96, 128) + ((256,) if dtype != "float64" else ())
-        for d in dims:
-            specs.append(_mma_spec(dtype, d, d, 4096, arch=arch))
-        specs.append(_mma_spec(dtype, 128, 128, 1, split=True, return_lse=True, arch=arch))
-        specs.append(_mma_spec(dtype, 64, 64, 4096, cp_async=False, window=True, arch=arch))
-    for dtype in ("float16", "float32"):
-        specs.append(_mma_spec(dtype, 128, 64, 4096, arch=arch))
-        for flag in _ALL_FLAGS:
-            specs.append(_mma_spec(dtype, 64, 64, 4096, **{flag: True}, arch=arch))
-        for d in (64, 128):
-            specs.append(_mma_spec(dtype, d, d, 4096, **_ALL_FLAGS, arch=arch))
-        # split keys at two query tiles per warp (a few hundred queries, many keys)
-        specs.append(_mma_spec(dtype, 64, 64, 4096, split=True, return_lse=True, arch=arch))
-    specs.append(_mma_spec("float16", 256, 256, 4096, **_ALL_FLAGS, arch=arch))
-    specs.append(_mma_spec("float64", 64, 64, 4096, **_ALL_FLAGS, arch=arch))
-    specs.append(_mma_spec("float64", 128, 128, 1, split=True, **_ALL_FLAGS, arch=arch))
-    return specs
-
-
-def listing_specs(arch: str = DEFAULT_ARCH) -> list:
-    """A representative set of the variants the dispatcher selects on ``arch``.
-
-    SIMT family (float32 by default; the other dtypes where the tensor-core family does not
-    take them, or when forced): every dtype x D in {32, 64, 128, 256} (long sequences, no
-    options), plus for float32 and float16 at D = 64 and 128: Dv != D, each feature flag alone,
-    causal+everything, and the decoding shape (Lq = 1, split keys). Then the tensor-core family
-    (:func:`_mma_listing_specs`). Tile sizes come from the same heuristics as launches. Then
-    every variant of the softmax family (dtype x mode x mask). Below sm_80 the tensor-core family
-    does not run (the dispatcher takes the SIMT family for every dtype): it is not listed.
-    """
-    specs = []
-
-    def simt(*args, **flags):  # the arch's tiles; None where it cannot run
-        return _spec(*args, arch=arch, **flags)
-
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
-        for d in (32, 64, 128, 256):
-            specs.append(simt(dtype, d, d, 4096))
-        specs.append(simt(dtype, 128, 128, 1, split=True, return_lse=True))
-    for dtype in ("float32", "float16"):
-        for d in (64, 128):
-            specs.append(simt(dtype, d, 2 * d if d < 256 else d // 2, 4096))
-            for flag in ("window", "bias", "mask", "kv_lengths", "alibi", "softcap",
-                         "return_lse"):
-                specs.append(simt(dtype, d, d, 4096, **{flag: True}))
-            specs.append(simt(dtype, d, d, 4096, window=True, bias=True, mask=True,
-                              kv_lengths=True, alibi=True, softcap=True, return_lse=True))
-    specs.append(simt("float64", 256, 256, 1, split=True, window=True, bias=True, mask=True,
-                      kv_lengths=True, alibi=True, softcap=True, return_lse=True))
-    if mma_supported(arch):
-        specs.extend(_mma_listing_specs(arch))
-    # softmax family: every variant (launch shapes are runtime parameters)
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
-        acc = "float64" if dtype == "float64" else "float32"
-        for mode in SOFTMAX_MODES:
-            for mask in (False, True):
-                specs.append(SoftmaxSpec(dtype=dtype, acc=acc, mode=mode, mask=mask))
-    seen, unique = set(), []
-    for s in specs:
-        if s is not None and s.key not in seen:
-            seen.add(s.key)
-            unique.append(s)
-    return unique
-
-
 def listing(arch: str = DEFAULT_ARCH) -> list:
     """Compile every listed variant for ``arch``; one dict per variant.
 
@@ -456,7 +375,7 @@ def listing(arch: str = DEFAULT_ARCH) -> list:
     ``seconds`` (compile time) and ``kernels`` (per entry point usage).
     """
     rows = []
-    for spec in listing_specs(arch):
+    for spec in families.listing_specs(arch):
         report = compile_spec(spec, arch)
         row = report.as_dict()
         row["kernels"] = [asdict(k) for k in report.kernels]

@@ -25,7 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import nvrtc, source
+from ..kernels import families, source
+from . import nvrtc
 
 __all__ = ["LoopMix", "compile_cubin", "disassemble", "inner_loops", "key_tile_loop",
            "loop_mix", "nvdisasm_path", "variant_mix"]
@@ -170,7 +171,8 @@ def variant_mix(spec, arch: str = "sm_90", *, overrides: dict | None = None) -> 
     :func:`source.build_source`) and return its :class:`LoopMix`."""
     cubin, log = compile_cubin(source.build_source(spec, overrides=overrides), arch,
                                name=f"{spec.key}.cu")
-    usage = next(u for u in nvrtc.parse_ptxas_log(log) if u.name == f"cuonline_{spec.family}")
+    entry = families.of(spec).entries[0]
+    usage = next(u for u in nvrtc.parse_ptxas_log(log) if u.name == entry)
     text = disassemble(cubin)
     return LoopMix(spec.key, arch, usage.registers, loop_mix(text),
                    inner_loops(key_tile_loop(text)))

@@ -1,0 +1,260 @@
+"""The kernel families, each declared once: the one place that lists them.
+
+A family is one kernel source file (with the shared headers pasted before it), the spec class
+of its compiled variants, its planner, its argument builder and the variants that ``python -m
+cuonline kernels`` lists per arch. The CUDA engine, the NVRTC listing, ``tune`` and the tests
+read :data:`FAMILIES`; adding a family (``attention_bwd_simt``, ...) is one entry here plus its
+own files (kernel text, spec class, planner, argument builder).
+
+The kernel file names are written here only: :mod:`cuonline.kernels.source` asks the registry
+which files make up a variant's text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import arguments, features, heuristics, softmax_plan
+from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
+from .specs import (SOFTMAX_MODES, AttentionMmaSpec, AttentionSimtSpec, SoftmaxSpec, acc_name)
+
+__all__ = ["FAMILIES", "Family", "entries_of", "files_of", "forward_families", "get", "of",
+           "listing_specs", "plan_attention", "select_forward"]
+
+#: Pasted first into every family's text: online-softmax state, warp reductions, PTX helpers.
+COMMON_HEADER = "common.cuh"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel family.
+
+    Attributes
+    ----------
+    name : str
+        The family's name, which starts every key of its variants (``spec.family``).
+    source : str
+        Its kernel file in ``kernels_cu/``.
+    headers : tuple of str
+        Files pasted before it, in order.
+    entries : tuple of str
+        The kernel symbols ``source`` defines.
+    spec : type or None
+        The spec class of its variants; None for a family compiled only inside another's text.
+    planner : callable or None
+        Problem (and launch context) -> plan of a launch.
+    arguments : callable
+        The typed argument builder of its entry points.
+    listing : callable or None
+        ``arch -> list of specs``: the variants ``python -m cuonline kernels`` compiles.
+    includes : tuple of Family
+        Families whose source is pasted into this one's text (after ``headers``), so that one
+        module holds both: the forward kernels and the split-key combine.
+    runs : callable or None
+        Attention forward families: ``(dtype, d, dv, precision, arch) -> bool``, whether the
+        dispatcher runs this family for such a call (exactly one forward family does).
+    """
+
+    name: str
+    source: str
+    headers: tuple
+    entries: tuple
+    spec: type | None
+    planner: Callable | None
+    arguments: Callable
+    listing: Callable | None = None
+    includes: tuple = ()
+    runs: Callable | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# listing entries: a representative set of the variants the dispatcher selects on an arch
+
+
+def _simt(dtype, d, dv, lq, *, arch, features=(), split=False):
+    try:
+        warps, rows, keys = heuristics.choose_tiles(dtype, d, dv, lq, nbatch=32, arch=arch)
+    except ValueError:
+        return None   # does not fit this arch's shared memory: the planner refuses it too
+    return AttentionSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
+                             rows_per_warp=rows, keys_per_lane=keys, features=features,
+                             split=split)
+
+
+def _mma(dtype, d, dv, lq, *, arch, cp_async=True, features=(), split=False):
+    tiles = heuristics.choose_mma_tiles(dtype, d, dv, lq, arch)
+    return AttentionMmaSpec(dtype=dtype, d=d, dv=dv, cp_async=cp_async, **tiles._asdict(),
+                            features=features, split=split)
+
+
+def _names(family):
+    return tuple(f.name for f in features.supported_by(family))
+
+
+def _simt_listing(arch: str = DEFAULT_ARCH) -> list:
+    """SIMT family: every dtype x D in {32, 64, 128, 256} (long sequences, no options) and the
+    decoding shape (Lq = 1, split keys); for float32 and float16 at D = 64 and 128: Dv = 2 D,
+    each option alone and all of them together; float64 D = 256 decoding with every option."""
+    names = _names(AttentionSimtSpec.family)
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d in (32, 64, 128, 256):
+            specs.append(_simt(dtype, d, d, 4096, arch=arch))
+        specs.append(_simt(dtype, 128, 128, 1, arch=arch, split=True, features=("return_lse",)))
+    for dtype in ("float32", "float16"):
+        for d in (64, 128):
+            specs.append(_simt(dtype, d, 2 * d, 4096, arch=arch))
+            for name in names:
+                specs.append(_simt(dtype, d, d, 4096, arch=arch, features=(name,)))
+            specs.append(_simt(dtype, d, d, 4096, arch=arch, features=names))
+    specs.append(_simt("float64", 256, 256, 1, arch=arch, split=True, features=names))
+    return specs
+
+
+def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
+    """Tensor-core family (sm_80 and newer; none below): every dtype (float32 = TF32) x D in
+    {32, 64, 96, 128, 256} (float64 up to 128), Dv != D, each option alone at D = 64 and all
+    together at D = 64 and 128 (f16 and tf32), all at f16 D = 256 and f64 D = 64, the decoding
+    shape (Lq = 1, split keys), split keys with many queries (f16 and tf32) and the
+    element-wise loader (strided views)."""
+    if not heuristics.mma_supported(arch):
+        return []
+    names = _names(AttentionMmaSpec.family)
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        dims = (32, 64, 96, 128) + ((256,) if dtype != "float64" else ())
+        for d in dims:
+            specs.append(_mma(dtype, d, d, 4096, arch=arch))
+        specs.append(_mma(dtype, 128, 128, 1, arch=arch, split=True, features=("return_lse",)))
+        specs.append(_mma(dtype, 64, 64, 4096, arch=arch, cp_async=False, features=("window",)))
+    for dtype in ("float16", "float32"):
+        specs.append(_mma(dtype, 128, 64, 4096, arch=arch))
+        for name in names:
+            specs.append(_mma(dtype, 64, 64, 4096, arch=arch, features=(name,)))
+        for d in (64, 128):
+            specs.append(_mma(dtype, d, d, 4096, arch=arch, features=names))
+        # split keys at two query tiles per warp (a few hundred queries, many keys)
+        specs.append(_mma(dtype, 64, 64, 4096, arch=arch, split=True, features=("return_lse",)))
+    specs.append(_mma("float16", 256, 256, 4096, arch=arch, features=names))
+    specs.append(_mma("float64", 64, 64, 4096, arch=arch, features=names))
+    specs.append(_mma("float64", 128, 128, 1, arch=arch, split=True, features=names))
+    return specs
+
+
+def _softmax_listing(arch: str = DEFAULT_ARCH) -> list:
+    """Softmax family: every variant (dtype x mode x mask; launch shapes are runtime
+    parameters)."""
+    return [SoftmaxSpec(dtype=dtype, acc=acc_name(dtype), mode=mode, mask=mask)
+            for dtype in ("float16", "bfloat16", "float32", "float64")
+            for mode in SOFTMAX_MODES for mask in (False, True)]
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+
+
+ATTENTION_COMBINE = Family(
+    name="attention_combine", source="attention_combine.cuh", headers=(COMMON_HEADER,),
+    entries=("cuonline_attention_combine",), spec=None, planner=heuristics.combine_launch,
+    arguments=arguments.combine_arguments,
+)
+ATTENTION_FWD_SIMT = Family(
+    name=AttentionSimtSpec.family, source="attention_fwd.cu",
+    headers=(COMMON_HEADER, "attention_block.cuh"), entries=("cuonline_attention_fwd",),
+    spec=AttentionSimtSpec, planner=heuristics.plan_simt,
+    arguments=arguments.attention_fwd_arguments, listing=_simt_listing,
+    includes=(ATTENTION_COMBINE,),
+    runs=lambda dtype, d, dv, precision, arch: not heuristics.uses_mma(dtype, d, dv, precision,
+                                                                       arch),
+)
+ATTENTION_FWD_MMA = Family(
+    name=AttentionMmaSpec.family, source="attention_mma.cu",
+    headers=(COMMON_HEADER, "tensor_core.cuh", "attention_block.cuh"),
+    entries=("cuonline_attention_mma",), spec=AttentionMmaSpec, planner=heuristics.plan_mma,
+    arguments=arguments.attention_fwd_arguments, listing=_mma_listing,
+    includes=(ATTENTION_COMBINE,), runs=heuristics.uses_mma,
+)
+SOFTMAX = Family(
+    name=SoftmaxSpec.family, source="softmax.cu", headers=(COMMON_HEADER,),
+    entries=("cuonline_softmax", "cuonline_softmax_partial", "cuonline_softmax_finish"),
+    spec=SoftmaxSpec, planner=softmax_plan.plan_softmax, arguments=arguments.softmax_arguments,
+    listing=_softmax_listing,
+)
+
+#: Every kernel family, in listing order.
+FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, SOFTMAX)
+_BY_NAME = {f.name: f for f in FAMILIES}
+assert set(features.FORWARD_FAMILIES) == {f.name for f in FAMILIES if f.runs is not None}
+
+
+def get(name: str) -> Family:
+    """The family called ``name``; ValueError naming the registered ones otherwise."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"family must be one of {', '.join(map(repr, _BY_NAME))}, "
+                         f"got {name!r}") from None
+
+
+def of(spec) -> Family:
+    """The family of a spec (its ``family`` attribute)."""
+    return _BY_NAME[spec.family]
+
+
+def files_of(spec) -> tuple:
+    """The kernel files whose texts, in order, follow a variant's defines: the family's
+    headers, the sources of the families it includes, then its own source."""
+    family = of(spec)
+    return family.headers + tuple(f.source for f in family.includes) + (family.source,)
+
+
+def entries_of(spec) -> tuple:
+    """Kernel symbols a variant's module defines: its family's, then those it includes."""
+    family = of(spec)
+    return family.entries + tuple(e for f in family.includes for e in f.entries)
+
+
+def forward_families() -> tuple:
+    """The attention forward families (those the dispatcher chooses among)."""
+    return tuple(f for f in FAMILIES if f.runs is not None)
+
+
+def select_forward(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> Family:
+    """The forward family the dispatcher runs for these parameters on ``arch``."""
+    (family,) = [f for f in forward_families() if f.runs(dtype, d, dv, precision, arch)]
+    return family
+
+
+def plan_attention(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
+                   cp_async=True, family=None, tuned=None):
+    """Plan the launch of :class:`cuonline._validate.Problem` ``problem``: choose the forward
+    family (:func:`select_forward`, or ``family`` by name), then run its planner.
+
+    ``arch`` (``"sm_70"`` ... ``"sm_90"``) selects the family and the tile tables; the SIMT
+    family runs every dtype below sm_80. ``num_sms``, ``n_splits`` (None: the planner decides),
+    ``tuned`` (``(family, dtype, D bucket) -> tiles``; None or ``{}``: the built-in choices)
+    and ``cp_async`` (q, k, v rows 16-byte aligned with unit column stride) as in
+    :func:`cuonline.kernels.heuristics.plan_mma`.
+    """
+    heuristics.arch_number(arch)   # ValueError for a malformed arch
+    if family is None:
+        chosen = select_forward(problem.dtype, problem.d, problem.dv, problem.precision, arch)
+    else:
+        chosen = get(family)
+        if chosen.runs is None:
+            raise ValueError(f"family must be an attention forward family "
+                             f"({', '.join(f.name for f in forward_families())}), got {family!r}")
+    return chosen.planner(problem, arch=arch, num_sms=num_sms, n_splits=n_splits, tuned=tuned,
+                          cp_async=cp_async)
+
+
+def listing_specs(arch: str = DEFAULT_ARCH) -> list:
+    """Every family's listed variants on ``arch``, in registry order, without duplicates."""
+    seen, unique = set(), []
+    for family in FAMILIES:
+        for spec in (family.listing(arch) if family.listing is not None else ()):
+            if spec is not None and spec.key not in seen:
+                seen.add(spec.key)
+                unique.append(spec)
+    return unique

@@ -1,0 +1,89 @@
+"""The attention options that a kernel variant compiles in: one table, read by everything else.
+
+Each row of :data:`FEATURES` says what an option is called (the spec flag and the key tag), how
+it follows from a :class:`cuonline._validate.Problem`, which ``#define`` turns it on in the
+kernel text, which kernel parameters carry its data, and which kernel families support it.
+The spec flags (:attr:`cuonline.kernels.specs.AttentionSpec.features`), the defines, the
+plan's flags, the ``python -m cuonline kernels`` listing and the tune candidates are all
+derived from this table; no other place lists the options.
+
+Adding a score term is one row here, plus its validation rule in ``_validate``, its member of
+the kernels' score pipeline (``kernels_cu/``), its NumPy term and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["FEATURES", "FORWARD_FAMILIES", "Feature", "by_name", "of_problem", "supported_by"]
+
+#: The attention forward families (names as in :mod:`cuonline.kernels.families`). Named here
+#: as the families each option supports; the registry checks that every name is registered.
+FORWARD_FAMILIES = ("attention_fwd_simt", "attention_fwd_mma")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One attention option as the kernels see it.
+
+    Attributes
+    ----------
+    name : str
+        The spec flag and the tag in a variant's key (``window``, ``bias``, ...).
+    of_problem : callable
+        ``Problem -> bool``: whether a call needs it.
+    define : str
+        The ``#define`` (value 0 or 1) that compiles it in.
+    arguments : tuple of str
+        The kernel parameters that carry its data (names as in the families' signatures).
+    families : tuple of str
+        The kernel families that support it.
+    """
+
+    name: str
+    of_problem: Callable
+    define: str
+    arguments: tuple
+    families: tuple = FORWARD_FAMILIES
+
+
+#: In key order. ``causal`` has no row: it is folded into ``window`` by validation.
+FEATURES = (
+    Feature("window", lambda p: p.has_window, "CUONLINE_HAS_WINDOW",
+            ("window_left", "window_right")),
+    Feature("bias", lambda p: p.bias is not None, "CUONLINE_HAS_BIAS", ("bias",)),
+    Feature("mask", lambda p: p.mask is not None, "CUONLINE_HAS_MASK", ("mask",)),
+    Feature("kv_lengths", lambda p: p.kv_lengths is not None, "CUONLINE_HAS_KV_LENGTHS",
+            ("kv_lengths",)),
+    Feature("alibi", lambda p: p.alibi_slopes is not None, "CUONLINE_HAS_ALIBI",
+            ("alibi_slopes",)),
+    Feature("softcap", lambda p: p.softcap is not None, "CUONLINE_HAS_SOFTCAP", ("softcap",)),
+    Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",)),
+)
+
+_BY_NAME = {f.name: f for f in FEATURES}
+
+
+def by_name(name: str) -> Feature:
+    """The row called ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown attention feature {name!r}; known: "
+                         f"{', '.join(_BY_NAME)}") from None
+
+
+def supported_by(family: str) -> tuple:
+    """The rows ``family`` supports, in key order."""
+    return tuple(f for f in FEATURES if family in f.families)
+
+
+def of_problem(problem, family: str) -> tuple:
+    """Names of the features ``problem`` needs, in key order; ValueError when ``family`` does
+    not support one of them (the dispatcher picks only families that do)."""
+    names = tuple(f.name for f in FEATURES if f.of_problem(problem))
+    missing = [n for n in names if family not in _BY_NAME[n].families]
+    if missing:
+        raise ValueError(f"kernel family {family!r} does not support {', '.join(missing)}")
+    return names

@@ -1,0 +1,234 @@
+"""The package's shape: no import circle, a pure kernels layer, one registry of kernel families,
+one table of attention options, one seam for the engines."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuonline._validate import validate_attention
+from cuonline.engines import target
+from cuonline.kernels import arguments, features, families, source
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cuonline"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    """``{module: {modules it imports}}`` over every module under cuonline/, from the AST:
+    imports at module level and inside functions alike (a lazy import closes a circle too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from pkg import mod` imports pkg.mod when that is a module, else pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict):
+    """One import circle of ``graph`` as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    assert "cuonline.engines.cuda" in graph and "cuonline.kernels.families" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_the_circle_the_package_had():
+    """engines/cuda.py imported kernels/tuning.py, which imported engines/cuda.py back."""
+    graph = import_graph()
+    graph["cuonline.kernels.tuning"] = graph["cuonline.kernels.tuning"] | {
+        "cuonline.engines.cuda"}
+    graph["cuonline.engines.cuda"] = graph["cuonline.engines.cuda"] | {"cuonline.kernels.tuning"}
+    assert find_cycle(graph) is not None
+
+
+def test_kernels_layer_imports_neither_engines_nor_tools():
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("cuonline.kernels"):
+            bad = {e for e in edges if e.startswith(("cuonline.engines", "cuonline.toolchain",
+                                                      "cuonline.testing", "cuonline._validate",
+                                                      "cuonline._api"))}
+            assert not bad, (name, bad)
+
+
+_NO_CUPY = r"""
+import importlib, pkgutil, sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends"):
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import cuonline            # the package itself brings the NumPy engines (cuonline.attention)
+before = set(sys.modules)
+import cuonline.kernels
+names = [m.name for m in pkgutil.iter_modules(cuonline.kernels.__path__, "cuonline.kernels.")]
+for name in names:
+    importlib.import_module(name)
+from cuonline.kernels import families
+families.listing_specs("sm_90")                  # the registry's listing runs too
+added = set(sys.modules) - before
+bad = sorted(m for m in added if m.startswith(("cuonline.engines", "cuonline.toolchain",
+                                               "cuonline.testing", "cuonline._api", "cupy")))
+cuda = sorted(m for m in sys.modules if m.startswith(("cuonline.engines.cuda",
+                                                      "cuonline.engines.target", "cupy")))
+print(len(names), bad, cuda)
+sys.exit(1 if bad or cuda or len(names) < 8 else 0)
+"""
+
+
+def test_kernels_import_without_cupy_and_without_an_engine():
+    proc = subprocess.run([sys.executable, "-c", _NO_CUPY], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# the registry and the feature table
+
+
+def test_every_family_names_existing_files_and_entries():
+    for family in families.FAMILIES:
+        for name in family.headers + (family.source,):
+            source.read_kernel_file(name)
+        text = source.read_kernel_file(family.source)
+        for entry in family.entries:
+            assert f"{entry}(" in text, (family.name, entry)
+        if family.spec is not None:
+            assert family.spec.family == family.name
+            listed = family.listing("sm_90")
+            assert listed and all(s.key.startswith(family.name + "_") for s in listed)
+
+
+def test_every_feature_has_its_define_and_its_arguments_in_every_family_that_supports_it():
+    names = {f.name for f in families.forward_families()}
+    for feature in features.FEATURES:
+        assert set(feature.families) <= names
+        assert set(feature.arguments) <= set(arguments.ATTENTION_FWD_SIGNATURE), feature.name
+        for family in feature.families:
+            spec = families.get(family).listing("sm_90")[0]
+            assert f"#define {feature.define} 0" in source.build_source(spec)
+            on = type(spec)(**{**spec.as_dict(), "features": (feature.name,)})
+            text = source.build_source(on)
+            assert f"#define {feature.define} 1" in text and on.key.endswith(feature.name)
+            assert feature.define in source.read_kernel_file(families.get(family).source) or \
+                any(feature.define in source.read_kernel_file(h)
+                    for h in families.files_of(spec)[:-1]), (family, feature.define)
+
+
+def _problem(**options):
+    q = np.zeros((2, 20, 8), np.float32)
+    return validate_attention(q, q, q, backend="emulate", **options)
+
+
+def test_the_plan_takes_its_flags_from_the_feature_table():
+    p = _problem(causal=True, softcap=5.0, return_lse=True, mask=np.ones((20, 20), bool))
+    assert families.plan_attention(p).spec.features == ("window", "mask", "softcap",
+                                                        "return_lse")
+    assert families.plan_attention(_problem()).spec.features == ()
+    with pytest.raises(ValueError, match="features of attention_fwd_simt"):
+        type(families.plan_attention(p).spec)(**{**families.plan_attention(p).spec.as_dict(),
+                                                  "features": ("causal",)})
+
+
+# --------------------------------------------------------------------------------------------
+# one seam: the target
+
+
+def test_emulation_target_defaults_and_overrides():
+    base = target.current("emulate")
+    assert (base.arch, base.num_sms, dict(base.tuned)) == ("sm_90", 132, {})
+    with target.overrides(arch="sm_75", num_sms=40):
+        inner = target.current("emulate")
+        with target.overrides(num_sms=8):
+            assert (target.current("emulate").arch, target.current("emulate").num_sms) == (
+                "sm_75", 8)
+        assert (inner.arch, inner.num_sms) == ("sm_75", 40)
+    assert target.current("emulate") == base
+    with pytest.raises(TypeError, match="overrides\\(\\) takes .*got bogus"):
+        with target.overrides(bogus=1):
+            pass
+    with pytest.raises(ValueError, match="arch must look like"):
+        with target.overrides(arch="ampere"):
+            target.current("emulate")
+
+
+def test_overrides_stay_in_the_thread_that_set_them():
+    seen = {}
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait()
+        seen["other"] = target.current("emulate").arch
+        release.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with target.overrides(arch="sm_80"):
+        inside.set()
+        release.wait(10)
+        seen["self"] = target.current("emulate").arch
+    worker.join()
+    assert seen == {"self": "sm_80", "other": "sm_90"}
+
+
+def test_engine_signatures_take_only_the_problem():
+    import inspect
+
+    from cuonline.engines import cuda, cuda_softmax
+
+    for fn in (cuda.attention, cuda_softmax.run):
+        assert list(inspect.signature(fn).parameters) == ["problem"], fn.__qualname__
