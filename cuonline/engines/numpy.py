@@ -31,6 +31,16 @@ from .merge import merge_states
 # through it; measured fastest of {128, 256, 512}^2 at D=64 on the 2-core CI machine.
 BLOCK_Q = 256
 BLOCK_K = 512
+# A block of few query rows walks its keys in wider tiles (up to BLOCK_Q * BLOCK_K scores, at
+# most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of work against
+# tens of microseconds of per-tile Python.
+MAX_KEY_TILE = 16384
+
+
+def _key_tile(rows):
+    """Keys per tile for a block of ``rows`` query rows: a multiple of BLOCK_K."""
+    wide = BLOCK_Q * BLOCK_K // max(rows, 1) // BLOCK_K * BLOCK_K
+    return min(max(BLOCK_K, wide), MAX_KEY_TILE)
 
 
 def workers() -> int:
@@ -274,7 +284,7 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     acc_t = p.acc_dtype
     n = i1 - i0
     left, right = p.window
-    diag = np.arange(i0, i1) + _semantics.diagonal_offset(p.lq, p.lk)   # key aligned with row
+    diag = np.arange(i0, i1, dtype=np.int64) + _semantics.diagonal_offset(p.lq, p.lk)  # key of row
 
     # Scores and the running max stay in natural units: any finite score is representable,
     # whereas folding log2(e) in would overflow scores above max / 1.44. Only s - m <= 0 is
@@ -284,12 +294,9 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     cap = None if p.softcap is None else acc_t.type(p.softcap)
     slope = None if p.alibi_slopes is None else acc_t.type(p.alibi_slopes[b])
 
-    m = np.full(n, -np.inf, dtype=acc_t)
-    l = np.zeros(n, dtype=acc_t)
-    o = np.zeros((n, p.dv), dtype=acc_t)
-    for js in range(j_lo, j_hi, BLOCK_K):
-        je = min(js + BLOCK_K, j_hi)
-        # scores, (n, je - js)
+    def scores(js, je, band=True):
+        """(n, je - js) scores of the tile, -inf where a row may not see a key (but for the
+        window band when ``band`` is false: the kernel takes that from its ``lo`` and ``hi``)."""
         s = qb @ _blas_ready(k[js:je], acc_t).T
         if cap is not None:                        # c * tanh(s / c)
             s /= cap
@@ -297,49 +304,48 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
             s *= cap
         if p.bias is not None:
             s += p.bias[b][i0:i1, js:je]
-        cols = np.arange(js, je)
         if slope is not None:                      # ALiBi: -slope * |i + Lk - Lq - j|
-            s -= slope * np.abs(diag[:, None] - cols[None, :]).astype(acc_t)
+            with np.errstate(over="ignore"):   # a term beyond the range: -inf
+                s -= slope * np.abs(diag[:, None] - np.arange(js, je)[None, :]).astype(acc_t)
         # masking: the window band only where this tile crosses its edge
-        if left is not None and js < diag[-1] - left:
-            np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
-        if right is not None and je - 1 > diag[0] + right:
-            np.copyto(s, -np.inf, where=cols[None, :] > (diag + right)[:, None])
+        if band and left is not None and js < diag[-1] - left:
+            np.copyto(s, -np.inf, where=np.arange(js, je)[None, :] < (diag - left)[:, None])
+        if band and right is not None and je - 1 > diag[0] + right:
+            np.copyto(s, -np.inf, where=np.arange(js, je)[None, :] > (diag + right)[:, None])
         if p.mask is not None:
             np.copyto(s, -np.inf, where=~p.mask[b][i0:i1, js:je])
+        return s
 
-        # Values at keys a row cannot see must not reach it, but 0 * NaN (or inf) in the
-        # matmul would. One reduction (finite sum => every value finite) keeps the plain
-        # matmul for finite tiles; otherwise the non-finite rows of V are zeroed for the
-        # matmul and their exact contribution added where the score is not -inf.
-        vt = _blas_ready(v[js:je], acc_t)
-        bad = None
-        with np.errstate(over="ignore", invalid="ignore"):
-            finite = np.isfinite(np.sum(vt))
-        if not finite:
-            bad = np.flatnonzero(~np.isfinite(vt).all(axis=1))
-            seen_bad = s[:, bad] != -np.inf                          # (n, n_bad)
-            v_bad = vt[bad]
-            vt = vt.copy()
-            vt[bad] = 0
-
-        # rescale running state
-        m_new = np.maximum(m, s.max(axis=1))
-        m_safe = np.where(m_new == -np.inf, 0, m_new).astype(acc_t, copy=False)
-        with np.errstate(over="ignore"):           # s - m <= 0: -inf (weight 0) is right
-            alpha = np.exp(m - m_safe)
-            s -= m_safe[:, None]
-        np.exp(s, out=s)
-        l *= alpha
-        l += s.sum(axis=1)
-        o *= alpha[:, None]
+    m = np.full(n, -np.inf, dtype=acc_t)
+    l = np.zeros(n, dtype=acc_t)
+    o = np.zeros((n, p.dv), dtype=acc_t)
+    kernel = _tile_kernel(acc_t)
+    width = _key_tile(n)
+    everything_lo = np.zeros(n, dtype=np.int64)
+    everything_hi = np.full(n, width, dtype=np.int64)
+    for js in range(j_lo, j_hi, width):
+        je = min(js + width, j_hi)
+        s = scores(js, je, band=kernel is None)
+        # rescale running state; s becomes p = exp(s - m)
+        if kernel is not None:
+            # row i sees tile columns [lo, hi): the window band, with no pass over the tile
+            lo = everything_lo if left is None else diag - left - js
+            hi = everything_hi if right is None else diag + right + 1 - js
+            kernel(s, m, l, o, lo, hi)             # in place: m, l, o updated, one call
+        else:
+            m = _softmax_tile_ufuncs(s, m, l, o)
         # accumulate P·V
-        o += s @ vt
-        if bad is not None:
-            with np.errstate(invalid="ignore"):
-                part = np.where(seen_bad[:, :, None], s[:, bad, None] * v_bad[None], 0)
-            o += part.sum(axis=1)
-        m = m_new
+        vt = _blas_ready(v[js:je], acc_t)
+        # Values at keys a row cannot see must not reach it, but 0 * NaN (or inf) in the
+        # matmul would. Any non-finite value in V makes its column of p·v non-finite in every
+        # row, so one reduction over the small product (not over V) keeps the plain matmul for
+        # finite tiles; otherwise the product is redone exactly by _nonfinite_values.
+        with np.errstate(over="ignore", invalid="ignore"):
+            pv = s @ vt
+            finite = np.isfinite(np.sum(pv))
+        if not finite:
+            pv = _nonfinite_values(s, vt, lambda: scores(js, je) != -np.inf, pv)
+        o += pv
 
     with np.errstate(divide="ignore", invalid="ignore"):
         seen = l > 0
@@ -347,6 +353,84 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         o[np.isnan(l)] = np.nan
         lse = m + np.log(l)
     return o, lse.astype(acc_t, copy=False)
+
+
+def _nonfinite_values(p, vt, visible, pv):
+    """``p @ vt`` where NaN or infinite values in ``vt`` reach only the rows that see them.
+
+    ``p``: (n, k) weights; ``vt``: (k, dv) values; ``visible()``: the (n, k) boolean of scores
+    that are not -inf (recomputed: only this rare path needs it); ``pv``: the plain product,
+    returned as it is when every value is finite (the product overflowed, or ``p`` has NaN).
+    The non-finite rows of V are zeroed for the matmul and their exact contribution added where
+    the score is not -inf (there, 0 * inf is NaN as the naive formula gives).
+    """
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~np.isfinite(vt).all(axis=1))
+    if bad.size == 0:
+        return pv
+    seen_bad = visible()[:, bad]                                    # (n, n_bad)
+    v_bad = vt[bad]
+    vt = vt.copy()
+    vt[bad] = 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        part = np.where(seen_bad[:, :, None], p[:, bad, None] * v_bad[None], 0)
+        return p @ vt + part.sum(axis=1)
+
+
+def _softmax_tile_ufuncs(s, m, l, o):
+    """The ufunc form of ``_tile_kernels.online_softmax_tile`` (four passes over ``s``
+    instead of two): ``s`` becomes ``exp(s - m_new)``, ``l`` and ``o`` are rescaled and updated in
+    place; returns ``m_new``."""
+    m_new = np.maximum(m, s.max(axis=1))
+    m_safe = np.where(m_new == -np.inf, 0, m_new).astype(s.dtype, copy=False)
+    with np.errstate(over="ignore"):           # s - m <= 0: -inf (weight 0) is right
+        alpha = np.exp(m - m_safe)
+        s -= m_safe[:, None]
+    np.exp(s, out=s)
+    l *= alpha
+    l += s.sum(axis=1)
+    o *= alpha[:, None]
+    return m_new
+
+
+# The compiled kernels (numba) by (name, dtype): the kernel, or None where numba is missing or
+# the kernel does not compile here (the engines then run their ufunc passes, after one warning).
+_kernels = {}
+_kernels_lock = threading.Lock()
+# False forces the ufunc passes (tests compare the two)
+_use_kernels = True
+
+
+def _tile_kernel(dtype, name="online_softmax_tile"):
+    """The compiled kernel ``name`` of :mod:`._tile_kernels` for ``dtype``, or None.
+
+    Imported and compiled on first use (so ``import cuonline`` imports no numba, about 0.3 s;
+    compiled code is cached on disk by numba across processes).
+    """
+    if not _use_kernels:
+        return None
+    key = (name, np.dtype(dtype))
+    kernel = _kernels.get(key, False)
+    if kernel is False:
+        with _kernels_lock:
+            if key not in _kernels:
+                _kernels[key] = _compile(*key)
+            kernel = _kernels[key]
+    return kernel
+
+
+def _compile(name, dtype):
+    try:
+        from . import _tile_kernels
+
+        return _tile_kernels.compile_for(name, dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure to import or compile: the ufuncs
+        import warnings
+
+        warnings.warn(f"cuonline: the compiled kernel {name} for {dtype} is unavailable "
+                      f"({type(exc).__name__}: {exc}); the NumPy engine runs its ufunc passes "
+                      f"instead (slower, same results)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _blas_ready(x, dtype):

@@ -1,0 +1,352 @@
+"""Compiled element-wise kernels of the NumPy engine (numba), imported on first use.
+
+The NumPy engine spends as long on the passes over each score tile (row max, subtract, exp,
+row sum: one full pass each) as on its two matrix products. :func:`online_softmax_tile` does all
+of them in two sweeps over each row while the row is in L1: one for the max, one that writes
+``exp(s - m)`` in place and sums it. The matrix products stay in BLAS.
+
+``math.exp`` compiles to a scalar libm call per element (LLVM vectorizes it only with Intel's
+SVML), which is slower than NumPy's ufunc, so the exponential is written here in arithmetic that
+LLVM vectorizes: Cody-Waite range reduction ``x = n ln2 + r`` with ``|r| <= ln2 / 2``, a Taylor
+polynomial for ``e^r`` (degree 7 for float32, 13 for float64: truncation below a fifth of an
+ulp), and ``2^n`` built from exponent bits as the product of two normal powers so that results
+in the subnormal range round once, as ``np.exp``'s do. It is only ever called on ``x <= 0`` (a
+score minus its row max), ``-inf`` or NaN: ``exp(-inf)`` is exactly 0 and NaN stays NaN.
+
+Fast-math flags: ``reassoc`` lets the row sum vectorize (the order of a sum is not part of the
+contract; NumPy's pairwise sum has its own) and ``contract`` allows FMAs, but neither ``nnan``
+nor ``ninf``: NaN and ``-inf`` are values this code must get right, nor ``arcp``: a division
+stays a division. Where an expression's order matters, ``llvm.arithmetic.fence`` holds it.
+The range reduction and the polynomial use explicit ``llvm.fma`` calls, which reassociation
+cannot rewrite, and the max uses ``llvm.maximum``, which propagates NaN as ``np.maximum`` does
+and still vectorizes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+_FLAGS = {"reassoc", "contract", "nsz"}
+
+
+def _ll(t):
+    return ir.FloatType() if t == types.float32 else ir.DoubleType()
+
+
+def _llvm_call(name, nargs):
+    """An intrinsic ``name(x, ...)`` on ``nargs`` floats of one dtype (float32 or float64)."""
+
+    def typer(typingctx, *args):
+        if len(args) != nargs or len(set(args)) != 1 or args[0] not in (types.float32,
+                                                                          types.float64):
+            return None
+        t = args[0]
+
+        def codegen(context, builder, sig, llargs):
+            fnty = ir.FunctionType(_ll(t), [_ll(t)] * nargs)
+            fn = builder.module.declare_intrinsic(name, [_ll(t)], fnty)
+            return builder.call(fn, llargs)
+
+        return t(*args), codegen
+
+    typer.__name__ = name.replace(".", "_")
+    return typer
+
+
+# written out, not generated in a loop: @intrinsic needs a fixed Python signature per arity
+@intrinsic
+def _fma(typingctx, a, b, c):
+    return _llvm_call("llvm.fma", 3)(typingctx, a, b, c)
+
+
+@intrinsic
+def _maximum(typingctx, a, b):
+    return _llvm_call("llvm.maximum", 2)(typingctx, a, b)
+
+
+@intrinsic
+def _rint(typingctx, a):
+    return _llvm_call("llvm.rint", 1)(typingctx, a)
+
+
+@intrinsic
+def _fence(typingctx, a):
+    """``a``, computed as written: no reassociation across it (``llvm.arithmetic.fence``)."""
+    return _llvm_call("llvm.arithmetic.fence", 1)(typingctx, a)
+
+
+@intrinsic
+def _bits_as_float(typingctx, x):
+    """The float whose bits are the int32 (int64) ``x``."""
+    out = {types.int32: types.float32, types.int64: types.float64}.get(x)
+    if out is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _ll(out))
+
+    return out(x), codegen
+
+
+def exp_nonpositive(x):
+    """``exp(x)`` for ``x <= 0``, ``-inf`` or NaN, in the dtype of ``x`` (compiled code only)."""
+    raise NotImplementedError("exp_nonpositive runs inside numba-compiled code")
+
+
+def _exp_impl(ft, it, low, ln2_hi, ln2_lo, coefficients, bias, mantissa):
+    low, log2e, half = ft(low), ft(1.4426950408889634), ft(0.5)
+    neg_hi, neg_lo = ft(-ln2_hi), ft(-ln2_lo)
+    c = tuple(ft(x) for x in coefficients)          # highest degree first
+    bias, step = ft(bias), ft(2.0 ** mantissa)
+    top, bottom = ft(0), -2 * bias                  # n stays in [-2 bias, 0]
+
+    def impl(x):
+        # below `low` the result rounds to 0 (and -inf lands here); NaN fails the test and stays
+        x = low if x < low else x
+        t = _rint(x * log2e)
+        r = _fma(t, neg_hi, x)                      # x - n ln2, n ln2_hi exact
+        r = _fma(t, neg_lo, r)
+        p = _horner(r, c)
+        # 2^n = 2^n1 2^n2 with both factors normal, so a subnormal result rounds once. The
+        # exponent bits (n_i + bias) << mantissa are formed in floating point (exact: a small
+        # integer times a power of two) and converted once, which vectorizes at full width;
+        # t is clamped for the conversion only (a NaN t must not reach fptosi), p carries NaN
+        t = bottom if not t > bottom else (top if t > top else t)
+        n1 = np.floor(t * half)
+        s1 = _bits_as_float(it((n1 + bias) * step))
+        s2 = _bits_as_float(it((t - n1 + bias) * step))
+        return p * s1 * s2
+
+    return impl
+
+
+@numba.njit(fastmath=_FLAGS)
+def _horner(r, c):
+    p = c[0]
+    for i in numba.literal_unroll(range(1, len(c))):
+        p = _fma(p, r, c[i])
+    return p
+
+
+def _taylor(degree):
+    out, f = [], 1.0
+    for k in range(degree + 1):
+        out.append(1.0 / f)
+        f *= k + 1
+    return out[::-1]
+
+
+# float32: exp(-104) rounds to 0 (the smallest subnormal is exp(-103.28)); ln2_hi has 9
+# significant bits so n * ln2_hi is exact for |n| <= 150
+_EXP32 = _exp_impl(np.float32, np.int32, -104.0, 0.693359375, -2.12194440e-4, _taylor(7),
+                   127, 23)
+# float64: exp(-746) rounds to 0; fdlibm's split of ln2 (ln2_hi's low 32 bits are zero)
+_EXP64 = _exp_impl(np.float64, np.int64, -746.0, 6.93147180369123816490e-01,
+                   1.90821492927058770002e-10, _taylor(13), 1023, 52)
+
+
+@overload(exp_nonpositive, jit_options={"fastmath": _FLAGS})
+def _exp_overload(x):
+    if x == types.float32:
+        return _EXP32
+    if x == types.float64:
+        return _EXP64
+    return None
+
+
+def _jit(fn):
+    """``numba.njit`` with the cache in the package's ``__pycache__``, else NUMBA_CACHE_DIR or
+    the user's cache directory (numba's own order), else no cache: compiled once per process."""
+    options = dict(nogil=True, fastmath=_FLAGS, boundscheck=False, error_model="numpy")
+    try:
+        return numba.njit(cache=True, **options)(fn)
+    except RuntimeError:                            # no writable cache location
+        return numba.njit(cache=False, **options)(fn)
+
+
+def _exp_array(x, out):
+    for i in range(x.shape[0]):
+        out[i] = exp_nonpositive(x[i])
+
+
+exp_array = _jit(_exp_array)
+exp_array.__doc__ = """``out[:] = exp(x)`` for a 1-d array ``x`` of values ``<= 0``, ``-inf`` or
+NaN (the exponential of :func:`online_softmax_tile`, exposed for its tests)."""
+
+
+@numba.njit
+def _clip(x, low, high):
+    return min(max(x, low), high)
+
+
+# Rows are summed in chunks: within a chunk the vectorized loop keeps 64 partial sums of a few
+# terms each, and the chunk sums are added in order, so the error grows with len / _CHUNK, not
+# with len / 64 as one vectorized loop over a long row would.
+_CHUNK = 512
+
+
+@numba.njit(fastmath=_FLAGS)
+def _row_max(row):
+    """``max(row)`` (``-inf`` for an empty row), NaN if any element is NaN."""
+    t = row.dtype.type(-np.inf)
+    for j in range(row.shape[0]):
+        t = _maximum(t, row[j])
+    return t
+
+
+@numba.njit(fastmath=_FLAGS)
+def _exp_sum(row, shift, out):
+    """``out[:] = exp(row - shift)`` (``out`` may be ``row``; an empty ``out``: write nothing)
+    and return ``sum(exp(row - shift))``. Every ``row - shift`` must be <= 0, -inf or NaN.
+
+    Three loops for the three cases: with ``out`` a second view of ``row``, LLVM's runtime
+    overlap check sent one shared loop down its scalar path (10x slower, measured)."""
+    total = row.dtype.type(0)
+    for c in range(0, row.shape[0], _CHUNK):
+        part = row[c:c + _CHUNK]
+        acc = row.dtype.type(0)
+        if out.shape[0] == 0:
+            for j in range(part.shape[0]):
+                acc += exp_nonpositive(part[j] - shift)
+        elif out.ctypes.data == row.ctypes.data:
+            for j in range(part.shape[0]):
+                y = exp_nonpositive(part[j] - shift)
+                part[j] = y
+                acc += y
+        else:
+            dest = out[c:c + _CHUNK]
+            for j in range(part.shape[0]):
+                y = exp_nonpositive(part[j] - shift)
+                dest[j] = y
+                acc += y
+        total += acc
+    return total
+
+
+def _online_softmax_tile(s, m, l, o, lo, hi):
+    n, k = s.shape
+    zero = s.dtype.type(0)
+    # Every inner loop runs from 0 over a view of the visible columns: with a start LLVM cannot
+    # prove >= 0, numba's negative-index wraparound stays in the loop and the exp loop ran
+    # 10x slower. All row maxima come first, then the exponentials: written as one loop per
+    # row, LLVM vectorized the pair worse (measured 1.4x slower at 256 x 512).
+    top = np.empty(n, dtype=s.dtype)
+    for i in range(n):
+        top[i] = _maximum(m[i], _row_max(s[i, _clip(lo[i], 0, k):_clip(hi[i], 0, k)]))
+    for i in range(n):
+        a = _clip(lo[i], 0, k)                      # row i sees [a, b); 0 <= a <= b <= k
+        b = _clip(hi[i], a, k)
+        shift = zero if top[i] == -np.inf else top[i]  # nothing visible: no -inf - -inf
+        s[i, :a] = zero
+        s[i, b:] = zero
+        # one loop, not _exp_sum's chunks (10% slower here): rows of at most 16384 keys keep
+        # the 64 partial sums of the vectorized loop to 256 terms each
+        row = s[i, a:b]
+        total = zero
+        for j in range(row.shape[0]):
+            y = exp_nonpositive(row[j] - shift)
+            row[j] = y
+            total += y
+        alpha = exp_nonpositive(m[i] - shift)
+        l[i] = l[i] * alpha + total
+        orow = o[i]
+        for d in range(orow.shape[0]):
+            orow[d] *= alpha
+        m[i] = top[i]
+
+
+online_softmax_tile = _jit(_online_softmax_tile)
+online_softmax_tile.__doc__ = """One key tile of the online softmax, in place.
+
+Parameters
+----------
+s : (n, k) array, float32 or float64
+    Scores of ``n`` query rows against ``k`` keys (``-inf`` where masked); overwritten with
+    ``p = exp(s - m_new)`` (with ``m_new`` taken as 0 in a row with nothing visible).
+m, l : (n,) arrays of the dtype of ``s``
+    Running max and running sum ``sum(exp(s - m))``; updated to include the tile.
+o : (n, dv) array of the dtype of ``s``
+    Unnormalised output ``sum(exp(s - m) v)``; rescaled by ``exp(m_old - m_new)``. The caller
+    adds ``p @ v`` (BLAS).
+lo, hi : (n,) int64 arrays
+    Row ``i`` sees columns ``[lo[i], hi[i])`` (clipped to ``[0, k)``): the others count as
+    ``-inf`` whatever ``s`` holds there (a causal or sliding-window band without a masking
+    pass over the tile).
+
+Notes
+-----
+``m_new = maximum(m, max_j s)`` propagates NaN as ``np.maximum`` does. Equal to the NumPy
+engine's ufunc passes up to the rounding of the exponential (about 1 ulp) and of the row sum.
+"""
+
+
+@numba.njit(fastmath=_FLAGS)
+def _divide(row, scale):
+    for j in range(row.shape[0]):
+        row[j] = row[j] / scale
+
+
+@numba.njit(fastmath=_FLAGS)
+def _shift_twice(row, shift, log_total, out):
+    # numba compiles a callee with its caller's flags, so the fence keeps reassociation from
+    # turning (x - m) - log(total) into x - (m + log(total)), which rounds at the magnitude of m
+    for j in range(row.shape[0]):
+        out[j] = _fence(row[j] - shift) - log_total
+
+
+def _softmax_rows(x, out, mode):
+    n = x.shape[0]
+    zero = x.dtype.type(0)
+    nothing = x[0, :0] if n else x.reshape(-1)[:0]
+    for i in range(n):
+        row = x[i]
+        top = _row_max(row)
+        shift = zero if top == -np.inf else top     # nothing visible: no -inf - -inf
+        if mode == 0:                               # softmax: exp(x - m) / total
+            total = _exp_sum(row, shift, out[i])
+            _divide(out[i], total if total != zero else x.dtype.type(1))  # empty: stays 0
+        elif mode == 1:                             # log_softmax: (x - m) - log(total)
+            total = _exp_sum(row, shift, nothing)
+            _shift_twice(row, shift, np.log(total if total != zero else x.dtype.type(1)),
+                         out[i])
+        else:                                       # logsumexp: m + log(total)
+            total = _exp_sum(row, shift, nothing)
+            out[i, 0] = shift + np.log(total)
+
+
+softmax_rows = _jit(_softmax_rows)
+softmax_rows.__doc__ = """softmax (``mode`` 0), log_softmax (1) or logsumexp (2) of each row of the
+2-d float32 or float64 array ``x``, written to ``out`` (same shape; ``(n, 1)`` for logsumexp).
+
+The formulas of :mod:`cuonline.engines.softmax` (max subtracted first; a row with nothing
+visible gives 0, ``-inf``, ``-inf``), in three sweeps over each row (max; exp and sum; write)
+instead of five or more full-array passes.
+"""
+
+
+def _warm_up_tile(dtype):
+    s = np.zeros((2, 3), dtype)
+    m, l = np.zeros(2, dtype), np.zeros(2, dtype)
+    lo, hi = np.zeros(2, np.int64), np.full(2, 3, np.int64)
+    online_softmax_tile(s, m, l, np.zeros((2, 1), dtype), lo, hi)
+
+
+def _warm_up_rows(dtype):
+    x = np.zeros((2, 3), dtype)
+    softmax_rows(x, np.empty_like(x), 0)
+
+
+_WARM_UP = {"online_softmax_tile": (online_softmax_tile, _warm_up_tile),
+            "softmax_rows": (softmax_rows, _warm_up_rows)}
+
+
+def compile_for(name, dtype):
+    """The kernel ``name`` compiled for ``dtype`` (float32 or float64) by calling it once on
+    tiny arrays of the layout the engines pass; raises whatever numba raises if it cannot."""
+    kernel, warm_up = _WARM_UP[name]
+    warm_up(np.dtype(dtype))
+    return kernel

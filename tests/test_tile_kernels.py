@@ -1,0 +1,281 @@
+"""The NumPy engine's compiled tile kernel (cuonline/engines/_tile_kernels.py, numba).
+
+Its exponential against ``np.exp`` and a higher-precision reference, its special values, the
+whole tile update and the softmax rows against the engines' ufunc passes, and the engines' use
+of them (and their fallback where numba is missing or a kernel does not compile).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cuonline
+from cuonline.engines import _tile_kernels as tk  # numba is a core dependency
+from cuonline.engines import numpy as numpy_engine
+
+# the dtype, the input range, and how far the result may be from the reference, in ulps
+EXP_CASES = [(np.float32, -104.0, 1.0), (np.float64, -745.0, 1.0)]
+
+
+def exp_of(x):
+    out = np.empty_like(x)
+    tk.exp_array(x, out)
+    return out
+
+
+def ulps(got, ref, dtype):
+    """|got - ref| in units of the dtype's spacing at ref (ref in a wider type)."""
+    spacing = np.spacing(np.abs(ref.astype(dtype))).astype(ref.dtype)
+    return np.abs(got.astype(ref.dtype) - ref) / spacing
+
+
+@pytest.mark.parametrize("dtype, low, max_ulps", EXP_CASES, ids=["float32", "float64"])
+def test_exp_accurate_to_one_ulp(dtype, low, max_ulps):
+    """Over [low, 0] (the whole range where exp is not 0), including the subnormal results."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        np.linspace(low, 0, 1_000_001),
+        -np.abs(rng.standard_normal(200_000)) * 30,       # typical s - m of attention
+        -rng.random(100_000) * 1e-3,                          # near 0, where exp ~ 1 + x
+    ]).astype(dtype)
+    wide = np.longdouble if np.finfo(np.longdouble).nmant > 52 else np.float64
+    if dtype == np.float64 and wide is np.float64:
+        pytest.skip("no wider float than float64 here for the reference")
+    ref = np.exp(x.astype(wide))
+    got = exp_of(x)
+    assert ulps(got, ref, dtype).max() <= max_ulps
+    # and within 2 ulp of NumPy's own exp (which is itself up to 2.4 ulp off in float32 here)
+    assert ulps(got, np.exp(x).astype(wide), dtype).max() <= 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_special_values(dtype):
+    x = np.array([-np.inf, np.nan, 0.0, -0.0, -1e30, -800.0, -np.finfo(dtype).max], dtype)
+    got = exp_of(x)
+    assert got[0] == 0 and not np.signbit(got[0])      # exactly 0: a masked key weighs nothing
+    assert np.isnan(got[1])                             # NaN propagates
+    assert got[2] == 1 and got[3] == 1
+    assert (got[4:] == 0).all()
+
+
+def ufunc_tile(s, m, l, o):
+    s, m, l, o = s.copy(), m.copy(), l.copy(), o.copy()
+    with np.errstate(invalid="ignore"):
+        m = numpy_engine._softmax_tile_ufuncs(s, m, l, o)
+    return s, m, l, o
+
+
+def everything(s):
+    """``(lo, hi)``: every row sees every column of ``s``."""
+    return np.zeros(len(s), np.int64), np.full(len(s), s.shape[1], np.int64)
+
+
+def kernel_tile(s, m, l, o, lo=None, hi=None):
+    if lo is None:
+        lo, hi = everything(s)
+    s, m, l, o = s.copy(), m.copy(), l.copy(), o.copy()
+    tk.online_softmax_tile(s, m, l, o, lo, hi)
+    return s, m, l, o
+
+
+def tile_case(dtype, rng, n=37, k=75, dv=9):
+    """A tile with a running state, -inf entries, a fully masked row, a row whose max grows and
+    one whose max does not, a NaN score and a +inf score."""
+    s = (rng.standard_normal((n, k)) * 20).astype(dtype)
+    s[rng.random((n, k)) < 0.2] = -np.inf
+    s[3] = -np.inf                                      # nothing visible in this tile
+    s[5, 7] = np.nan
+    s[6, 2] = np.inf
+    m = (rng.standard_normal(n) * 20).astype(dtype)
+    m[3] = m[8] = -np.inf                               # no key seen yet
+    s[8] = -np.inf                                      # ... and none now: stays empty
+    m[9] = 1e4                                          # the old max stays the max
+    l = rng.random(n).astype(dtype) * 5
+    l[[3, 8]] = 0
+    o = rng.standard_normal((n, dv)).astype(dtype)
+    o[[3, 8]] = 0
+    return s, m, l, o
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_matches_ufunc_passes(dtype, rng):
+    case = tile_case(dtype, rng)
+    want = ufunc_tile(*case)
+    got = kernel_tile(*case)
+    rtol = 8 * np.finfo(dtype).eps
+    atol = np.finfo(dtype).smallest_subnormal      # a subnormal exp may round the other way
+    for name, g, w in zip("smlo", got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=name)
+    np.testing.assert_array_equal(got[1], want[1])      # the max is exact
+    assert (got[0][3] == 0).all() and got[2][8] == 0 and (got[3][8] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_band_is_masking(dtype, rng):
+    """Columns outside [lo, hi) count as -inf whatever the scores hold there (NaN included),
+    for bounds before, inside and past the tile, and empty or inverted ranges."""
+    s, m, l, o = tile_case(dtype, rng)
+    n, k = s.shape
+    lo = rng.integers(-10, k + 10, n)
+    hi = lo + rng.integers(-5, k, n)
+    lo[:4], hi[:4] = [0, k + 3, 5, -7], [k, k + 9, 5, -2]
+    s[10, :] = np.nan
+    lo[10], hi[10] = 3, 9
+    s[10, 3:9] = 1.0                                    # NaN only where row 10 cannot see
+    masked = s.copy()
+    cols = np.arange(k)
+    masked[(cols < lo[:, None]) | (cols >= hi[:, None])] = -np.inf
+    want = ufunc_tile(masked, m, l, o)
+    got = kernel_tile(s, m, l, o, lo, hi)
+    for name, g, w in zip("smlo", got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        np.testing.assert_allclose(g, w, rtol=8 * np.finfo(dtype).eps,
+                                   atol=np.finfo(dtype).smallest_subnormal, err_msg=name)
+    assert np.isfinite(got[3][10]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_empty_and_strided(dtype, rng):
+    # no rows; no keys (the state is unchanged but for -inf rows staying empty)
+    s, m, l, o = tile_case(dtype, rng)
+    tk.online_softmax_tile(s[:0], m[:0], l[:0], o[:0], *everything(s[:0]))
+    s, m, l, o = tile_case(dtype, rng)
+    got = kernel_tile(s[:, :0], m, l, o)
+    np.testing.assert_array_equal(got[1], m)
+    np.testing.assert_allclose(got[2], l, rtol=0)
+    # strided views compute what contiguous copies do (up to the order of the row sums)
+    s, m, l, o = tile_case(dtype, rng, n=20, k=40)
+    want = kernel_tile(s[::2, ::2].copy(), m[::2].copy(), l[::2].copy(), o[::2].copy())
+    sv, mv, lv, ov = s.copy(), m.copy(), l.copy(), o.copy()
+    tk.online_softmax_tile(sv[::2, ::2], mv[::2], lv[::2], ov[::2], *everything(sv[::2, ::2]))
+    for g, w in zip((sv[::2, ::2], mv[::2], lv[::2], ov[::2]), want):
+        np.testing.assert_allclose(g, w, rtol=8 * np.finfo(dtype).eps, atol=0)
+    np.testing.assert_array_equal(sv[1], s[1])          # rows outside the view untouched
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_engine_uses_the_kernel(dtype):
+    assert numpy_engine._tile_kernel(dtype) is tk.online_softmax_tile
+    assert numpy_engine._tile_kernel(dtype, "softmax_rows") is tk.softmax_rows
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (5, 3)},
+                                     {"softcap": 2.0}], ids=["plain", "causal", "window",
+                                                             "softcap"])
+def test_kernel_and_ufunc_engines_agree(dtype, options, rng, monkeypatch):
+    """The engine with the kernel and with its ufunc fallback, on non-contiguous inputs with
+    several key tiles (Lk not a tile multiple)."""
+    q = rng.standard_normal((70, 2, 16)).astype(dtype).transpose(1, 0, 2)[:, ::2] * 3
+    k = rng.standard_normal((1200, 2, 16)).astype(dtype).transpose(1, 0, 2)
+    v = rng.standard_normal((2, 16, 1200)).astype(dtype).transpose(0, 2, 1)
+    got, got_lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    want, want_lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    rtol = 50 * np.finfo(dtype).eps
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=rtol, atol=rtol)
+
+
+def test_without_numba_the_ufunc_passes_run(monkeypatch, rng):
+    import cuonline.engines
+
+    monkeypatch.setitem(sys.modules, "numba", None)       # import numba fails
+    monkeypatch.setitem(sys.modules, "cuonline.engines._tile_kernels", None)
+    monkeypatch.delattr(cuonline.engines, "_tile_kernels")
+    monkeypatch.setattr(numpy_engine, "_kernels", {})
+    q = rng.standard_normal((3, 40, 8)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="online_softmax_tile for float32 is unavailable"):
+        out = cuonline.attention(q, q, q)
+    q64 = q.astype(np.float64)
+    with pytest.warns(RuntimeWarning, match="for float64 is unavailable"):
+        want = cuonline.attention(q64, q64, q64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    with pytest.warns(RuntimeWarning, match="softmax_rows"):
+        np.testing.assert_allclose(cuonline.softmax(q).sum(-1), 1, rtol=1e-6)
+
+
+def test_kernel_that_does_not_compile_falls_back(monkeypatch, rng):
+    def broken(name, dtype):
+        raise RuntimeError("LLVM says no")
+
+    monkeypatch.setattr(tk, "compile_for", broken)
+    monkeypatch.setattr(numpy_engine, "_kernels", {})
+    q = rng.standard_normal((2, 30, 8))
+    with pytest.warns(RuntimeWarning, match="LLVM says no"):
+        out = cuonline.attention(q, q, q)
+    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    np.testing.assert_array_equal(out, cuonline.attention(q, q, q))
+
+
+def test_no_writable_cache_compiles_without_one(monkeypatch):
+    """numba raises RuntimeError at decoration when no cache directory is writable: the kernel
+    is then compiled in each process instead of failing."""
+    import numba
+
+    real = numba.njit
+
+    def njit(*args, cache=False, **kwargs):
+        if cache:
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    fn = tk._jit(tk._exp_array)
+    x = np.array([-1.0, -np.inf], np.float32)
+    out = np.empty_like(x)
+    fn(x, out)
+    np.testing.assert_allclose(out, [np.exp(np.float64(-1.0)), 0.0], rtol=1e-7, atol=0)
+
+
+def test_compiled_code_is_cached_across_processes(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = ("import numpy as np, cuonline; q = np.ones((1, 3, 8), np.float32); "
+            "cuonline.attention(q, q, q)")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    index = [f for _, _, files in os.walk(tmp_path) for f in files
+             if f.startswith("_tile_kernels._online_softmax_tile") and f.endswith(".nbi")]
+    assert index
+
+
+def softmax_rows_case(dtype, rng):
+    x = (rng.standard_normal((2, 7, 1300)) * 30).astype(dtype)
+    x[0, 0] = -np.inf                                   # nothing visible: 0, -inf, -inf
+    x[0, 1, 5] = np.nan                                 # NaN row
+    x[0, 2, 9] = np.inf                                 # +inf: NaN row, as documented
+    x[1, 0] += np.finfo(dtype).max / 4                  # large magnitude: x - m exact
+    x[1, 1, :] = x[1, 1, 0]                             # all equal
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp"])
+def test_softmax_rows_match_the_ufunc_passes(name, dtype, rng, monkeypatch):
+    x = softmax_rows_case(dtype, rng)
+    fn = getattr(cuonline, name)
+    got = fn(x)
+    rtol = 16 * np.finfo(dtype).eps
+    # log(total) is exact to a few ulp of total ~ 1 (sums in another order round another way):
+    # absolute, where the result is near 0
+    atol = np.finfo(dtype).smallest_subnormal if name == "softmax" else 8 * np.finfo(dtype).eps
+    # another axis, or a strided last axis: the ufunc passes run, and agree with the kernel
+    moved = fn(np.swapaxes(x, 1, 2), axis=1)
+    np.testing.assert_allclose(moved if name == "logsumexp" else np.swapaxes(moved, 1, 2), got,
+                               rtol=rtol, atol=atol)
+    strided = x[:, :, ::2]
+    np.testing.assert_allclose(fn(strided), fn(np.ascontiguousarray(strided)), rtol=rtol,
+                               atol=atol)
+    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    want = fn(x)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    if name == "softmax":
+        assert (got[0, 0] == 0).all()
+    else:
+        assert (got[0, 0] == -np.inf).all()
