@@ -64,10 +64,11 @@ def files_at(rev):
     for name in families.files_of(VARIANTS[0][1]):
         proc = subprocess.run(["git", "show", f"{rev}:kernels_cu/{name}"], cwd=ROOT,
                               capture_output=True, text=True)
-        if proc.returncode == 0:
-            out[name] = proc.stdout
-    if "attention_mma.cu" not in out:
-        raise SystemExit(f"{rev}: no kernels_cu/attention_mma.cu there")
+        if proc.returncode != 0:
+            # pasting REV's files into today's list would mix two layouts of the kernel text
+            raise SystemExit(f"{rev} has no kernels_cu/{name}: its kernel files differ from "
+                             f"today's; run this script from a checkout of {rev} instead")
+        out[name] = proc.stdout
     return out
 
 
@@ -92,7 +93,7 @@ def main(argv=None):
                    inner_loops=now.inner_loops)
         # a revision without CUONLINE_M_TILES would compile one query tile per warp
         if before is not None and (spec.m_tiles == 1
-                                   or "CUONLINE_M_TILES" in before["attention_mma.cu"]):
+                                   or "CUONLINE_M_TILES" in before["attention_fwd_mma.cu"]):
             then = sass.variant_mix(spec, args.arch, overrides=before)
             row.update(before_registers=then.registers, before_loop=then.instructions,
                        before_per_mma=round(then.per_mma, 2), before_integer=then.integer)

@@ -1,7 +1,7 @@
 // attention_combine.cuh: the split-key combine, shared by the attention families.
 //
 // Pasted (by cuonline/kernels/source.py) after common.cuh into the source of every attention
-// family that splits keys across grid.z (attention_fwd.cu, attention_mma.cu); it reads only the
+// family that splits keys across grid.z (attention_fwd_simt.cu, attention_fwd_mma.cu); it reads only the
 // variant defines CUONLINE_T, CUONLINE_ACC and CUONLINE_DV, so both families compile the same
 // text and the same math.
 //

@@ -21,6 +21,10 @@
 
 namespace cuonline {
 
+// Select<c, A, B>::type is A if c, else B (NVRTC and the emulation share no <type_traits>).
+template <bool kCond, class A, class B> struct Select { typedef A type; };
+template <class A, class B> struct Select<false, A, B> { typedef B type; };
+
 // ---------------------------------------------------------------------------------------------
 // numerics: one overload per accumulation type, so kernels are written once for float and double
 

@@ -43,7 +43,13 @@ namespace smx {
 typedef CUONLINE_T T;
 typedef CUONLINE_ACC Acc;
 
-// CUONLINE_SOFTMAX_MODE: 0 softmax, 1 log_softmax, 2 logsumexp (tested with #if below).
+// The variant's options, as compile-time constants (every branch compiles in every variant).
+enum Mode { kSoftmax = 0, kLogSoftmax = 1, kLogSumExp = 2 };
+constexpr Mode kMode = Mode(CUONLINE_SOFTMAX_MODE);
+constexpr bool kHasMask = CUONLINE_HAS_MASK != 0;
+static_assert(kMode == kSoftmax || kMode == kLogSoftmax || kMode == kLogSumExp,
+              "CUONLINE_SOFTMAX_MODE: 0 softmax, 1 log_softmax, 2 logsumexp");
+
 // Block size limit. sm_90's ptxas (CUDA 13) held the float64 variants at 64 registers and
 // spilled under __launch_bounds__(512) and (1024); at 256 it does not spill. Eight warps per
 // row already give each lane only 32 values at 8192 columns.
@@ -62,9 +68,9 @@ __device__ __forceinline__ Acc load(const T* __restrict__ x, const unsigned char
                                     long long x_col_stride, long long mask_off,
                                     long long mask_col_stride) {
     if (j >= n_row) return neg_inf(Acc());
-#if CUONLINE_HAS_MASK
-    if (mask[mask_off + j * mask_col_stride] == 0) return neg_inf(Acc());
-#endif
+    if constexpr (kHasMask) {
+        if (mask[mask_off + j * mask_col_stride] == 0) return neg_inf(Acc());
+    }
     return to_acc(x[x_off + j * x_col_stride]);
 }
 
@@ -171,29 +177,31 @@ __device__ __forceinline__ void softmax_rows(const T* __restrict__ x,
             continue;
         }
 
-#if CUONLINE_SOFTMAX_MODE == 2
-        // ---- logsumexp: one value per row
-        if (row < nrows && seg == 0 && tid == 0) out[out_off] = FromAcc<T>::cvt(state.lse(scale));
-#else
-        // ---- write pass. An empty row (l == 0: all masked or -inf) gives 0 / -inf without
-        //      forming (-inf) - (-inf); a NaN l (NaN or +inf in the row) reaches every value.
-        const bool empty = state.l == Acc(0);
-#if CUONLINE_SOFTMAX_MODE == 0
-        const Acc inv_l = empty ? Acc(0) : Acc(1) / state.l;
-#else
-        const Acc log_l = empty ? Acc(0) : log2_(state.l) * ln2(Acc());
-#endif
-        for (long long j = j_lo + tid; j < n_row; j += threads_per_row) {
-            const Acc v = load(x, mask, j, n_row, x_off, x_col_stride, mask_off, mask_col_stride);
-#if CUONLINE_SOFTMAX_MODE == 0
-            const Acc y = empty ? Acc(0) : exp2_((v - state.m) * scale_log2) * inv_l;
-#else
-            // (x - m) * scale - log l: x - m is exact for nearby values, unlike x - lse
-            const Acc y = empty ? neg_inf(Acc()) : (v - state.m) * scale - log_l;
-#endif
-            out[out_off + j * out_col_stride] = FromAcc<T>::cvt(y);
+        if constexpr (kMode == kLogSumExp) {
+            // ---- logsumexp: one value per row
+            if (row < nrows && seg == 0 && tid == 0)
+                out[out_off] = FromAcc<T>::cvt(state.lse(scale));
+        } else {
+            // ---- write pass. An empty row (l == 0: all masked or -inf) gives 0 / -inf without
+            //      forming (-inf) - (-inf); a NaN l (NaN or +inf in the row) reaches every value.
+            const bool empty = state.l == Acc(0);
+            // softmax: 1 / l; log_softmax: log l
+            const Acc norm = empty ? Acc(0)
+                             : kMode == kSoftmax ? Acc(1) / state.l
+                                                 : log2_(state.l) * ln2(Acc());
+            for (long long j = j_lo + tid; j < n_row; j += threads_per_row) {
+                const Acc v =
+                    load(x, mask, j, n_row, x_off, x_col_stride, mask_off, mask_col_stride);
+                Acc y;
+                if constexpr (kMode == kSoftmax) {
+                    y = empty ? Acc(0) : exp2_((v - state.m) * scale_log2) * norm;
+                } else {
+                    // (x - m) * scale - log l: x - m is exact for nearby values, unlike x - lse
+                    y = empty ? neg_inf(Acc()) : (v - state.m) * scale - norm;
+                }
+                out[out_off + j * out_col_stride] = FromAcc<T>::cvt(y);
+            }
         }
-#endif
     }
 }
 

@@ -18,9 +18,9 @@ MUTANTS = {
     # Keys past Lk / kv_lengths / the split's range are scored as visible (zero-filled keys
     # then take softmax weight).
     "no_tail_mask": (
-        "attention_fwd.cu",
-        "bool visible = i < lq && j < key_end && j >= j_lo && j < j_hi;",
-        "bool visible = i < lq && j >= j_lo;",
+        "attention_score.cuh",
+        "bool in = i < lq_ && j < key_end_ && j >= j_lo_ && j < j_hi_;",
+        "bool in = i < lq_ && j >= j_lo_;",
     ),
     # The accumulator is not rescaled when the running max grows (the denominator still is).
     "no_rescale": (
@@ -30,28 +30,28 @@ MUTANTS = {
     ),
     # No barrier between the P·V reads of one tile and the K load of the next: a race.
     "no_sync": (
-        "attention_fwd.cu",
+        "attention_fwd_simt.cu",
         "            __syncthreads();\n            load_kv_tile<kD, false>(",
         "            load_kv_tile<kD, false>(",
     ),
     # Tensor-core family: the K fragments of the two n-tiles of an ldmatrix.x4 mixed up (b0
     # takes n-tile 0's first register and n-tile 1's second): a wrong fragment layout.
     "mma_k_frag_swapped": (
-        "attention_mma.cu",
+        "mma_fragments.cuh",
         "((lane / 8) % 2) * kC));\n        b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];",
         "((lane / 8) % 2) * kC));\n        b0[0] = r[0]; b0[1] = r[2]; b1[0] = r[1]; b1[1] = r[3];",
     ),
     # Tensor-core family, tf32: V read in natural key order while P keeps the lane order
     # (keys 2t, 2t + 1): P·V pairs probabilities with the wrong value rows.
     "mma_tf32_pv_order": (
-        "attention_mma.cu",
+        "mma_fragments.cuh",
         "b0[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0, 2 * t, g)]);",
         "b0[0] = __float_as_uint(s[split_offset<L>(8 * kk, n0, t, g)]);",
     ),
     # Tensor-core family: no barrier at the end of a key tile, so a warp that finishes early
     # refills the stage (tile n + 2) while a slower warp still reads tile n from it: a race.
     "mma_no_stage_sync": (
-        "attention_mma.cu",
+        "attention_fwd_mma.cu",
         "            // every warp is done with this stage before a later iteration refills it\n"
         "            __syncthreads();\n",
         "",
@@ -59,14 +59,14 @@ MUTANTS = {
     # Tensor-core family: the K/V stage is read without waiting for its cp.async group (the
     # emulation lands copies only at the wait: the tile reads as poison).
     "mma_no_cp_async_wait": (
-        "attention_mma.cu",
+        "attention_fwd_mma.cu",
         "            cp_async_wait<kStages - 1>();  // tile n (and Q) landed for this thread...\n",
         "",
     ),
     # Tensor-core family, two query tiles per warp: the second tile's output accumulates the
     # first tile's weights P.
     "mma_m_tiles_share_p": (
-        "attention_mma.cu",
+        "attention_fwd_mma.cu",
         "Op::mma(o, pf[mt], vf[u]);",
         "Op::mma(o, pf[0], vf[u]);",
     ),
@@ -123,7 +123,7 @@ def _barriers():
 
 def barrier_mutants() -> dict:
     """``{name: (file, offset, length)}``: each barrier or cp.async wait call of the kernels,
-    removed, unless marked :data:`REDUNDANT_MARKER`. Names read ``attention_mma.cu:473:
+    removed, unless marked :data:`REDUNDANT_MARKER`. Names read ``attention_fwd_mma.cu:473:
     syncthreads`` (file, line, call); offsets are into the current text."""
     return {f"{file}:{line}:{kind}": (file, offset, length)
             for file, offset, length, line, kind, reason in _barriers() if reason is None}

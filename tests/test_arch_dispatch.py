@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BFLOAT16, emulation_available
+from support import BFLOAT16, needs_emulation
 from oracle import reference_attention
 
 from cuonline._validate import validate_attention
@@ -83,10 +83,8 @@ def test_t4_shared_memory_limit():
         assert plan.shared_bytes <= 64 * 1024
 
 
+@needs_emulation
 def test_emulated_float16_on_sm75_runs_simt_and_matches_numpy():
-    reason = emulation_available()
-    if reason is not None:
-        pytest.skip(reason)
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((2, n, 32)).astype(np.float16) for n in (17, 70, 70))
     p = validate_attention(q, k, v, scale=None, causal=True, window=None, bias=None, mask=None,

@@ -9,7 +9,7 @@ import pytest
 
 import cuonline
 import cuonline.engines.numpy as numpy_engine
-from conftest import DTYPES, tolerance
+from support import DTYPES, tolerance
 from oracle import reference_attention
 
 LENGTHS = [1, 17, 63, 64, 65, 127, 129, 300]

@@ -9,8 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from cuonline.toolchain import nvrtc
+from support import needs_nvrtc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +89,7 @@ def test_kernels_without_nvrtc_says_so_in_one_line():
     assert proc.stdout == ""
 
 
-@pytest.mark.skipif(not nvrtc.nvrtc_available(), reason="NVRTC is not installed")
+@needs_nvrtc
 def test_kernels_reports_progress_per_variant_on_stderr():
     # the listing cut to two small variants: the progress lines, not the minute, under test
     proc = python("""

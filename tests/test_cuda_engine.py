@@ -13,112 +13,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      check_races, tolerance)
-from mutants import MUTANTS, mutant_sources
+from mutants import KERNELS, MUTANTS, mutant_sources
 from oracle import reference_attention
+from support import (BFLOAT16, OPTION_NAMES, ROOT, check_races, cuda_backend_params, make_case,
+                     needs_emulation, needs_gpu, oracle_errors, run_cuda, tolerance)
 
 from cuonline._validate import validate_attention
-from cuonline.engines import cuda
-from cuonline.engines.target import overrides
 from cuonline.kernels import families, heuristics
+from cuonline.kernels.specs import AttentionSimtSpec
 
-ROOT = Path(__file__).resolve().parents[1]
-
-OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
-                "softcap", "return_lse")
-
-_emulate_reason = emulation_available()
-_gpu_reason = gpu_available()
 BACKENDS = cuda_backend_params()
 
 
 # --------------------------------------------------------------------------------------------
-# cases
-
-
-def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, kv_batch=None,
-              options=()):
-    """Inputs for one case: ``(q, k, v, options_dict)``; options named in ``options`` are set.
-
-    ``kv_batch`` gives k/v their own (broadcastable) leading shape, e.g. grouped queries.
-    """
-    rng = np.random.default_rng(seed)
-    kv_batch = batch if kv_batch is None else kv_batch
-    q = rng.standard_normal(batch + (lq, d)).astype(dtype)
-    k = rng.standard_normal(kv_batch + (lk, d)).astype(dtype)
-    v = rng.standard_normal(kv_batch + (lk, dv)).astype(dtype)
-    full = np.broadcast_shapes(batch, kv_batch)
-    opts = {}
-    for name in options:
-        if name == "causal":
-            opts["causal"] = True
-        elif name == "window":
-            opts["window"] = (9, 4)
-        elif name == "scale":
-            opts["scale"] = 0.7
-        elif name == "bias":
-            # (Lq, Lk) broadcast over the batch: read with zero batch strides, never expanded.
-            opts["bias"] = rng.standard_normal((lq, lk)).astype(np.float32)
-        elif name == "mask":
-            m = rng.random((1, lq, lk)) < 0.8
-            m[0, 0, :] = False                      # one fully masked row
-            opts["mask"] = m
-        elif name == "kv_lengths":
-            lengths = rng.integers(0, lk + 1, size=full)
-            lengths.flat[0] = 0                     # one batch element sees no key at all
-            lengths.flat[-1] = lk
-            opts["kv_lengths"] = lengths
-        elif name == "alibi_slopes":
-            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, size=full[-1:])
-        elif name == "softcap":
-            opts["softcap"] = 1.5
-        elif name == "return_lse":
-            opts["return_lse"] = True
-        else:
-            raise ValueError(name)
-    return q, k, v, opts
-
-
-def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=None,
-             emulate_options=None, **options):
-    """Run the CUDA engine on NumPy inputs (moved to the GPU for "cupy"); NumPy results."""
-    xp = np
-    if backend == "cupy":
-        import cupy as xp  # noqa: PLC0415
-    put = {name: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
-           for name, x in options.items()}
-    kwargs = dict(scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
-                  alibi_slopes=None, softcap=None, return_lse=False)
-    kwargs.update(put)
-    problem = validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
-                                 **kwargs)
-    with overrides(num_sms=num_sms, n_splits=n_splits, kernel_sources=kernel_sources,
-                   emulate_options=emulate_options):
-        out, lse = cuda.attention(problem)
-    if backend == "cupy":
-        out, lse = out.get(), (None if lse is None else lse.get())
-    return out, lse
-
-
-def oracle_errors(q, k, v, out, lse, options):
-    """Max abs error of out and lse against the float64 oracle, and whether -inf rows agree."""
-    ref_options = {n: x for n, x in options.items() if n != "return_lse"}
-    ref_out, ref_lse = reference_attention(q, k, v, **ref_options)
-    assert out.shape == ref_out.shape and out.dtype == q.dtype
-    out_err = float(np.max(np.abs(out.astype(np.float64) - ref_out), initial=0.0))
-    if lse is None:
-        return out_err, 0.0
-    assert lse.shape == ref_lse.shape
-    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "fully-masked rows differ"
-    finite = np.isfinite(ref_lse)
-    lse_err = float(np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(
-        1.0, np.abs(ref_lse[finite])), initial=0.0))
-    return out_err, lse_err
+# cases (make_case, run_cuda and oracle_errors: tests/support.py)
 
 
 def check(backend, q, k, v, options, **seams):
@@ -238,15 +149,15 @@ def test_empty_problems_launch_nothing(backend, shape):
     assert lse.shape == batch + (lq,) and np.isneginf(lse).all()
 
 
+@needs_emulation
 def test_public_api_dispatches_emulate():
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
     import cuonline
 
     q, k, v, _ = make_case(2, lq=10, lk=20)
     out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True, backend="emulate")
     ref_out, ref_lse = reference_attention(q, k, v, causal=True)
     assert np.abs(out - ref_out).max() <= tolerance(np.float32)
+    assert np.abs(lse - ref_lse).max() <= tolerance(np.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,18 +165,27 @@ def test_public_api_dispatches_emulate():
 
 
 def test_heuristics_respect_budgets():
-    for dtype in ("float16", "float32", "float64"):
+    # Behaviour, not the planner's own arithmetic: the variant it picks asks for at most
+    # SMEM_MAX of shared memory (what the launch requests is the spec's), no warp is left
+    # without a row, and the query tile only shrinks as the output row (registers per row)
+    # or the accumulator widens. Registers themselves: test_kernels_nvrtc (0 spills).
+    for dtype, acc in (("float16", "float32"), ("float32", "float32"), ("float64", "float64")):
         for d in (1, 32, 64, 100, 128, 256):
-            for dv in (d, 256):
-                for lq in (1, 5, 16, 17, 4096):
+            for lq in (1, 5, 16, 17, 4096):
+                rows_of = {}
+                for dv in (d, 256):
                     warps, rows, keys = heuristics.choose_tiles(dtype, d, dv, lq, nbatch=64)
-                    words = 2 if dtype == "float64" else 1
                     assert 1 <= warps <= 4 and rows in (1, 2, 4, 8) and keys in (1, 2)
-                    assert rows * -(-dv // 32) * words <= heuristics.ACC_REGISTER_BUDGET or rows == 1
-                    smem = heuristics._shared_bytes(warps * rows, 32 * keys, d, dv, 4 * words)
-                    assert smem <= heuristics.SMEM_MAX
+                    spec = AttentionSimtSpec(dtype=dtype, acc=acc, d=d, dv=dv, warps=warps,
+                                             rows_per_warp=rows, keys_per_lane=keys)
+                    assert spec.shared_bytes <= heuristics.SMEM_MAX, spec.key
                     if lq <= 16:   # no warp without a row
                         assert (warps - 1) * rows < lq
+                    rows_of[dv] = rows
+                assert rows_of[256] <= rows_of[d], (dtype, d, lq)
+                if dtype == "float64":
+                    narrow = heuristics.choose_tiles("float32", d, d, lq, nbatch=64)[1]
+                    assert rows_of[d] <= narrow, (d, lq)
 
 
 def test_split_heuristics():
@@ -283,15 +203,16 @@ def test_split_heuristics():
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_edits_apply_to_the_current_kernels(name):
-    (text,) = mutant_sources(name).values()
-    assert text
+    # mutant_sources raises where the edit's text no longer occurs exactly once; the mutant
+    # must also differ from the kernel file it edits (a no-op edit would test nothing)
+    ((file, text),) = mutant_sources(name).items()
+    assert text != (KERNELS / file).read_text(encoding="utf-8"), name
 
 
 @pytest.mark.parametrize("name", ["no_tail_mask", "no_rescale"])
+@needs_emulation
 def test_mutants_fail_the_oracle_comparison(name):
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
-    q, k, v, opts = make_case(4, lq=17, lk=129)   # 3 key tiles, a ragged last tile
+    q, k, v, _ = make_case(4, lq=17, lk=129)   # 3 key tiles, a ragged last tile
     out, lse = run_cuda("emulate", q, k, v, return_lse=True,
                         kernel_sources=mutant_sources(name))
     out_err, lse_err = oracle_errors(q, k, v, out, lse, {})
@@ -301,10 +222,10 @@ def test_mutants_fail_the_oracle_comparison(name):
 
 
 _TSAN_SCRIPT = """
-import test_cuda_engine as t
-q, k, v, opts = t.make_case(4, lq=20, lk=100)
-out, lse = t.run_cuda("emulate", q, k, v, num_sms=1, return_lse=True,
-                      kernel_sources={sources!r}, emulate_options=dict(tsan=True))
+from support import make_case, run_cuda
+q, k, v, _ = make_case(4, lq=20, lk=100)
+out, lse = run_cuda("emulate", q, k, v, num_sms=1, return_lse=True,
+                    kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", out.shape)
 """
 
@@ -331,7 +252,7 @@ print("DONE", float(abs(out).sum()))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")
+@needs_gpu
 def test_second_process_loads_from_cupy_disk_cache(tmp_path):
     env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path))
     script = _CACHE_SCRIPT.format(root=str(ROOT))

@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import cuda_backend_params, tolerance
+from support import cuda_backend_params, tolerance
 from numpy.lib.stride_tricks import as_strided
 from oracle import reference_attention
 

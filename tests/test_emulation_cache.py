@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import needs_emulation
 
 from cuonline.testing import emulate
 
@@ -27,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = 'extern "C" __global__ void iota(int* p) { p[threadIdx.x] = 3 * threadIdx.x; }\n'
 OTHER_UID = 54321
 
-pytestmark = pytest.mark.skipif(emulate.compiler_problem() is not None,
-                                reason=str(emulate.compiler_problem()))
+pytestmark = needs_emulation
 
 # Compiles and runs KERNEL from the cache at $CUONLINE_CACHE_DIR; prints the library's path.
 LOAD = f"""

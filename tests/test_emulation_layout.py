@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import emulation_available
+from support import needs_emulation
 
 from cuonline.testing import emulate
 
@@ -21,9 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted(p for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
 HEADER_DIR = emulate.header_path().parent
 
-needs_emulation = pytest.mark.skipif(
-    emulation_available() is not None, reason=f"emulation unavailable: {emulation_available()}"
-)
 
 # ------------------------------------------------------------------------------------------------
 # The rule

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import needs_emulation
 
 from cuonline.testing import emulate
 
@@ -21,15 +22,7 @@ MODES = ["fibers", "threads"]
 FULL = 0xFFFFFFFF
 
 
-def _have_compiler() -> bool:
-    try:
-        emulate._compiler()
-    except RuntimeError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _have_compiler(), reason="no C++20 compiler for emulation")
+pytestmark = needs_emulation
 
 
 def _source(name: str) -> str:

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import needs_emulation
 
 from cuonline import _environment
 from cuonline.engines import tuning_files
@@ -21,9 +22,6 @@ from cuonline.testing import emulate
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = 'extern "C" __global__ void iota(int* p) { p[threadIdx.x] = threadIdx.x; }\n'
-
-needs_compiler = pytest.mark.skipif(emulate.compiler_problem() is not None,
-                                    reason=str(emulate.compiler_problem()))
 
 
 def _launch_code(mode: str, *, skip_python_check: bool = False) -> str:
@@ -77,7 +75,7 @@ def test_stack_size_default_and_bounds(monkeypatch, value, kb):
     assert _environment.emulate_stack_kb() == kb
 
 
-@needs_compiler
+@needs_emulation
 @pytest.mark.parametrize("value", ["1", "-1", str(2**54), "abc"])
 def test_bad_stack_size_is_an_error_before_the_kernel_runs(cache_root, value):
     proc = _run(_launch_code("fibers"), CUONLINE_CACHE_DIR=str(cache_root),
@@ -86,7 +84,7 @@ def test_bad_stack_size_is_an_error_before_the_kernel_runs(cache_root, value):
     assert "ValueError" in proc.stderr and "CUONLINE_EMULATE_STACK_KB" in proc.stderr
 
 
-@needs_compiler
+@needs_emulation
 @pytest.mark.parametrize("value", ["1", str(2**54)])
 def test_header_refuses_a_bad_stack_size_that_reaches_it(cache_root, value):
     # Past the Python check, the header itself fails the launch with a message, never a crash.
@@ -112,7 +110,7 @@ def test_watchdog_default_and_fractions(monkeypatch):
     assert _environment.emulate_watchdog_s() == 0.5
 
 
-@needs_compiler
+@needs_emulation
 def test_bad_watchdog_is_an_error_in_threads_mode(cache_root):
     # It used to be read as 0 and replaced by the default without a word.
     proc = _run(_launch_code("threads"), CUONLINE_CACHE_DIR=str(cache_root),
@@ -151,7 +149,7 @@ def test_bad_cxx_is_named(fresh_compiler, monkeypatch, tmp_path, value, why):
     assert problem is not None and "CXX=" in problem
 
 
-@needs_compiler
+@needs_emulation
 def test_compiler_that_writes_nothing_is_a_clear_error(fresh_compiler, monkeypatch, tmp_path):
     # Passes the probes (exit status 0) but writes no library: this ended in a
     # FileNotFoundError from os.replace.
@@ -165,7 +163,7 @@ def test_compiler_that_writes_nothing_is_a_clear_error(fresh_compiler, monkeypat
         emulate.compile_module(KERNEL)
 
 
-@needs_compiler
+@needs_emulation
 def test_changing_cxx_is_seen(fresh_compiler, monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     default, _ = emulate._compiler()

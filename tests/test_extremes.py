@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import BFLOAT16 as _BFLOAT16
-from conftest import emulation_available
+from support import BFLOAT16 as _BFLOAT16
+from support import needs_emulation
 
 import cuonline
 from cuonline._validate import validate_attention
@@ -21,14 +21,8 @@ from cuonline.engines import cuda
 from cuonline.engines.target import overrides
 from cuonline.kernels import arguments, families
 
-_emulate_reason = emulation_available()
-ENGINES = [
-    "numpy",
-    pytest.param("simt", marks=pytest.mark.skipif(_emulate_reason is not None,
-                                                  reason=_emulate_reason or "")),
-    pytest.param("mma", marks=pytest.mark.skipif(_emulate_reason is not None,
-                                                 reason=_emulate_reason or "")),
-]
+ENGINES = ["numpy", pytest.param("simt", marks=needs_emulation),
+           pytest.param("mma", marks=needs_emulation)]
 DTYPES = {"f32": np.float32, "f64": np.float64}
 BIG = {"f32": 3e38, "f64": 1.7e308}          # finite, and overflows once multiplied by log2(e)
 
@@ -201,6 +195,9 @@ def test_nan_value_stays_in_the_rows_that_see_it(engine, dt):
     out, lse = run(engine, q, k, v, window=(0, 0))
     assert np.isnan(out[1, 0])
     np.testing.assert_array_equal(out[[0, 2, 3], 0], np.array([0, 2, 3], dtype))
+    # a value takes no part in the normaliser: every row's lse is its one score, NaN or not
+    _, ref_lse = oracle(q, k, v, window=(0, 0))
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -235,7 +232,7 @@ def test_nan_value_behind_a_mask_in_a_later_tile(engine):
 
 # The tensor-core family forms P·V in an mma, where an invisible key still multiplies weight 0
 # into every row; a lane whose share of a row comes out non-finite recomputes it after the key
-# loop over the keys the row sees (attention_mma.cu). The cases below give that slow path
+# loop over the keys the row sees (attention_fwd_mma.cu). The cases below give that slow path
 # several key tiles, query and key tails, Dv not a multiple of 16, two query tiles per warp,
 # split keys, element-wise loads and every score option, with non-finite values at keys that
 # some rows see and others do not (a visible one must still reach its rows).
@@ -286,7 +283,7 @@ def _visible(lq, lk, *, causal=False, window=None, mask=None, kv_length=None):
 MMA_CASES = ["options", "band", "strided"]
 
 
-@pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
+@needs_emulation
 @pytest.mark.parametrize("dt", MMA_DTYPES)
 @pytest.mark.parametrize("case", MMA_CASES)
 def test_mma_non_finite_values_reach_only_the_rows_that_see_them(dt, case):
@@ -328,7 +325,7 @@ def test_mma_non_finite_values_reach_only_the_rows_that_see_them(dt, case):
     np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
+@needs_emulation
 @pytest.mark.parametrize("dt", ["f16", "tf32", "f64"])
 def test_mma_non_finite_values_with_split_keys(dt):
     # few queries against many keys: three key splits, each recomputing its own partial rows
@@ -356,8 +353,7 @@ def test_mma_non_finite_values_with_split_keys(dt):
 
 SOFTMAX_ENGINES = [
     "numpy",
-    pytest.param("emulate", marks=pytest.mark.skipif(_emulate_reason is not None,
-                                                     reason=_emulate_reason or "")),
+    pytest.param("emulate", marks=needs_emulation),
 ]
 
 

@@ -9,16 +9,13 @@ with the reason, where NVRTC or the CUDA headers are not installed. sm_70 needs 
 from __future__ import annotations
 
 import pytest
+from support import needs_nvrtc
 
 from cuonline.kernels import families, source
 from cuonline.toolchain import nvrtc
 from cuonline.kernels.heuristics import SMEM_OPT_IN_LIMIT, arch_number, simt_smem_limit
 
-pytestmark = pytest.mark.skipif(
-    not nvrtc.nvrtc_available(),
-    reason='NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
-           '"nvidia-cuda-runtime==13.*")',
-)
+pytestmark = needs_nvrtc
 
 SPECS = families.listing_specs()
 # (spec, arch): each arch's listing (below sm_80 without the tensor-core family)

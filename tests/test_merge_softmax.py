@@ -9,7 +9,7 @@ import pytest
 import scipy.special
 
 import cuonline
-from conftest import DTYPES
+from support import DTYPES
 
 
 def test_merge_with_an_empty_state_is_exact(rng):

@@ -1,4 +1,4 @@
-"""The tensor-core attention family (kernels_cu/attention_mma.cu) against the float64 oracle.
+"""The tensor-core attention family (kernels_cu/attention_fwd_mma.cu) against the float64 oracle.
 
 Emulated on the CPU (tensor_core.cuh's C++ bodies follow the PTX fragment layouts lane by lane)
 and, marked ``gpu``, on CuPy arrays. Every case goes through the CUDA engine's seam
@@ -16,67 +16,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      check_races, tolerance)
 from mutants import mutant_sources
 from oracle import reference_attention
-from test_cuda_engine import OPTION_NAMES, make_case, oracle_errors
+from support import (BFLOAT16, OPTION_NAMES, check_races, cuda_backend_params, make_case,
+                     needs_emulation, needs_nvrtc, oracle_errors, problem_of, run_mma, tolerance)
 
-from cuonline._validate import validate_attention
-from cuonline.engines import cuda
-from cuonline.engines.target import overrides
-from cuonline.kernels import arguments, families, heuristics, source
+from cuonline.kernels import families, heuristics, source
 from cuonline.toolchain import nvrtc
 from cuonline.kernels.specs import MMA_INSTRUCTIONS, AttentionMmaSpec
 
 
-_emulate_reason = emulation_available()
-_gpu_reason = gpu_available()
 BACKENDS = cuda_backend_params()
-needs_emulation = pytest.mark.skipif(_emulate_reason is not None, reason=_emulate_reason or "")
 
 # dtype ids -> (dtype, precision)
 DTYPES = {"f16": (np.float16, "highest"), "tf32": (np.float32, "tf32"),
           "f64": (np.float64, "highest")}
 if BFLOAT16 is not None:
     DTYPES["bf16"] = (BFLOAT16, "highest")
-
-_DEFAULTS = dict(scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
-                 alibi_slopes=None, softcap=None, return_lse=False)
-
-
-def problem_of(backend, q, k, v, precision="highest", **options):
-    xp = np
-    if backend == "cupy":
-        import cupy as xp  # noqa: PLC0415
-    kwargs = dict(_DEFAULTS)
-    kwargs.update({n: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
-                   for n, x in options.items()})
-    return validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
-                              precision=precision, **kwargs)
-
-
-def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=None,
-            kernel_sources=None, emulate_options=None, expect_cp_async=None, tuned=None,
-            expect_key=None, **options):
-    """Run the engine on the tensor-core family; NumPy results. ``tuned`` forces tiles (the
-    engine's seam); ``expect_*`` check the planned variant."""
-    p = problem_of(backend, q, k, v, precision, **options)
-    plan = families.plan_attention(p, n_splits=n_splits,
-                                     num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
-                                     cp_async=arguments.cp_async_aligned(p), tuned=tuned)
-    assert isinstance(plan.spec, AttentionMmaSpec), plan.spec.key       # the dispatcher picked it
-    if expect_cp_async is not None:
-        assert plan.spec.cp_async == expect_cp_async, plan.spec.key
-    if expect_key is not None:
-        assert expect_key in plan.spec.key, plan.spec.key
-    with overrides(n_splits=n_splits, num_sms=num_sms, tuned=tuned or {},
-                   kernel_sources=kernel_sources, emulate_options=emulate_options):
-        out, lse = cuda.attention(p)
-    if backend == "cupy":
-        out, lse = out.get(), (None if lse is None else lse.get())
-    return out, lse
-
 
 def tf32_bound(q, k, v, scale, lk_eff):
     """(out bound per row, lse bound per row) for precision="tf32", elementwise in the row.
@@ -251,11 +207,10 @@ def test_large_logits_and_fully_masked_rows(backend):
     check(backend, q, k, v, opts)
 
 
+@needs_emulation
 def test_tf32_is_really_tf32():
     """precision="tf32" errors sit at the tf32 level (well above float32's), under the bound."""
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
-    q, k, v, opts = make_case(7, batch=(3,), lq=49, lk=75, d=32, dv=24, dtype=np.float32)
+    q, k, v, _ = make_case(7, batch=(3,), lq=49, lk=75, d=32, dv=24, dtype=np.float32)
     out, _ = run_mma("emulate", q, k, v, precision="tf32", return_lse=True)
     ref, _ = reference_attention(q, k, v)
     assert np.abs(out - ref).max() > 1e-5          # not exact float32
@@ -277,20 +232,19 @@ def tf32_rounded_reference(q, k, v):
     return (round_tf32(p.astype(np.float32)).astype(np.float64) @ v) / p.sum(-1, keepdims=True)
 
 
+@needs_emulation
 @pytest.mark.parametrize("tiles", ["rounded", "truncated"])
 def test_tf32_rounds_to_nearest(tiles):
     """Operands are rounded (cvt.rna), not truncated as the tensor core would on its own: with
     one key tile the output matches the rounded-input reference to float32 accumulation error,
     far below the tf32 rounding error that a kernel feeding raw K and V tiles shows."""
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
     q, k, v, _ = make_case(11, batch=(2,), lq=40, lk=32, d=64, dv=64, dtype=np.float32)
     sources = None
     if tiles == "truncated":
-        text = source.read_kernel_file("attention_mma.cu")
+        text = source.read_kernel_file("mma_fragments.cuh")
         flag = "    static constexpr bool kRoundTiles = true;\n"
         assert text.count(flag) == 1
-        sources = {"attention_mma.cu": text.replace(flag, flag.replace("true", "false"))}
+        sources = {"mma_fragments.cuh": text.replace(flag, flag.replace("true", "false"))}
     out, _ = run_mma("emulate", q, k, v, precision="tf32", kernel_sources=sources)
     err = np.abs(out - tf32_rounded_reference(q, k, v)).max()
     assert (err < 2e-6) == (tiles == "rounded"), err
@@ -354,12 +308,6 @@ def test_source_pastes_the_family_headers():
 # --------------------------------------------------------------------------------------------
 # the PTX: each element type issues its tensor-core instruction
 
-needs_nvrtc = pytest.mark.skipif(
-    not nvrtc.nvrtc_available(),
-    reason='NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
-           '"nvidia-cuda-runtime==13.*")',
-)
-
 PTX_EXPECTED = {
     "float16": ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
@@ -380,7 +328,7 @@ PTX_EXPECTED = {
 @pytest.mark.parametrize("dtype", sorted(PTX_EXPECTED))
 def test_ptx_holds_the_tensor_core_instructions(dtype):
     spec = AttentionMmaSpec(dtype=dtype, d=64, dv=64, warps=4, block_n=32, stages=2)
-    ptx, log = nvrtc.compile_ptx(source.build_source(spec), "sm_80", name=f"{spec.key}.cu")
+    ptx, _ = nvrtc.compile_ptx(source.build_source(spec), "sm_80", name=f"{spec.key}.cu")
     assert spec.instruction == MMA_INSTRUCTIONS[dtype][0]
     for instruction in PTX_EXPECTED[dtype]:
         assert instruction in ptx, f"{instruction} not in the PTX of {spec.key}"
@@ -413,9 +361,9 @@ def test_mutants_fail_the_oracle_comparison(name):
     lq = 100 if name == "mma_m_tiles_share_p" else 49
     q, k, v, _ = make_case(4, lq=lq, lk=129, d=32, dv=24, dtype=dt)  # 3 key tiles, ragged
     sources = mutant_sources(name)
-    out, lse = run_mma("emulate", q, k, v, precision=precision, return_lse=True,
-                       kernel_sources=sources)
-    ref_out, ref_lse = reference_attention(q, k, v)
+    out, _ = run_mma("emulate", q, k, v, precision=precision, return_lse=True,
+                     kernel_sources=sources)
+    ref_out, _ = reference_attention(q, k, v)
     err = np.nanmax(np.abs(out - ref_out), initial=0.0)
     threshold = {"f16": 0.04, "tf32": 0.01, "f64": 1e-6}[MMA_MUTANTS[name]]
     broken = (not np.isfinite(out).all()) or err > threshold
@@ -426,11 +374,11 @@ def test_mutants_fail_the_oracle_comparison(name):
 
 _TSAN_SCRIPT = """
 import numpy as np
-import test_mma_engine as t
+from support import make_case, run_mma
 # 4 key tiles; 80 rows: three warps of two query tiles
-q, k, v, _ = t.make_case(1, lq=80, lk=200, d=32, dv=24, dtype=np.float16)
-out, lse = t.run_mma("emulate", q, k, v, num_sms=1, return_lse=True,
-                     kernel_sources={sources!r}, emulate_options=dict(tsan=True))
+q, k, v, _ = make_case(1, lq=80, lk=200, d=32, dv=24, dtype=np.float16)
+out, lse = run_mma("emulate", q, k, v, num_sms=1, return_lse=True,
+                   kernel_sources={sources!r}, emulate_options=dict(tsan=True))
 print("DONE", out.shape)
 """
 

@@ -8,8 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import conftest
 import pytest
+from support import needs_emulation
 
 from cuonline.testing import emulate
 
@@ -65,10 +65,9 @@ def test_demo_runs_and_reports_a_small_error():
     assert error < 1e-5
 
 
+@needs_emulation
 def test_unpacked_wheel_runs_the_emulated_kernels_from_its_package_data(wheel, tmp_path):
     """The wheel alone (no source tree on the path) finds kernels_cu/ and the emulation header."""
-    if conftest.emulation_available():
-        pytest.skip(conftest.emulation_available())
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (

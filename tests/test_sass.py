@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from cuonline.toolchain import nvrtc, sass
 from cuonline.kernels.specs import AttentionMmaSpec

@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 
-from conftest import tolerance
+from support import tolerance
 from oracle import reference_attention
 
 

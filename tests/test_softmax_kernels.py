@@ -18,8 +18,7 @@ import warnings
 import numpy as np
 import pytest
 import scipy.special
-from conftest import (BFLOAT16, cuda_backend_params, emulation_available, gpu_available,
-                      check_races, tolerance)
+from support import BFLOAT16, check_races, cuda_backend_params, needs_emulation, tolerance
 
 import cuonline
 from cuonline._validate import validate_axis_input
@@ -32,8 +31,6 @@ MODES = tuple(SOFTMAX_MODES)   # "softmax", "log_softmax", "logsumexp"
 FUNCTIONS = {"softmax": cuonline.softmax, "log_softmax": cuonline.log_softmax,
              "logsumexp": cuonline.logsumexp}
 
-_emulate_reason = emulation_available()
-_gpu_reason = gpu_available()
 BACKENDS = cuda_backend_params()
 
 
@@ -401,10 +398,9 @@ def test_source_has_the_variant_defines():
     assert "struct OnlineNormalizer" in text and 'extern "C" __global__' in text
 
 
+@needs_emulation
 def test_a_kernel_without_the_rescale_fails():
     """The tests above catch a normalizer that never rescales l when the maximum grows."""
-    if _emulate_reason is not None:
-        pytest.skip(_emulate_reason)
     common = source.read_kernel_file("common.cuh")
     rescale = "        l *= exp2_((m - m_use) * scale_log2);\n"
     assert common.count(rescale) == 1

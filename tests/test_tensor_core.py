@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import emulation_available, gpu_available
+from support import needs_emulation, needs_gpu, needs_nvrtc
 
 from cuonline.kernels import source
 from cuonline.toolchain import nvrtc
@@ -45,9 +45,6 @@ mutants = _load_mutants()
 
 KERNEL_FILES = ("gemm16.cu", "gemm_tf32_f64.cu", "probes.cu")
 
-needs_emulation = pytest.mark.skipif(
-    emulation_available() is not None, reason=f"emulation unavailable: {emulation_available()}"
-)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,7 +472,7 @@ GPU_CHECKS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpu_available() is not None, reason=f"no GPU: {gpu_available()}")
+@needs_gpu
 @pytest.mark.parametrize("name", sorted(GPU_CHECKS))
 def test_same_checks_on_gpu(name):
     BACKEND["name"] = "cupy"
@@ -487,7 +484,7 @@ def test_same_checks_on_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpu_available() is not None, reason=f"no GPU: {gpu_available()}")
+@needs_gpu
 def test_tf32_rounding_and_bound_on_gpu():
     BACKEND["name"] = "cupy"
     try:
@@ -500,12 +497,6 @@ def test_tf32_rounding_and_bound_on_gpu():
 
 # ------------------------------------------------------------------------------------------------
 # NVRTC
-
-needs_nvrtc = pytest.mark.skipif(
-    not nvrtc.nvrtc_available(),
-    reason='NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
-           '"nvidia-cuda-runtime==13.*")',
-)
 
 EXPECTED_PTX = {
     "gemm16.cu": [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import gpu_available
+from support import gpu_available, needs_gpu, needs_nvrtc
 
 from cuonline.__main__ import main
 from cuonline._validate import validate_attention
@@ -72,7 +72,7 @@ def test_candidates_keep_the_budgets_and_start_with_the_builtin(arch):
                 assert tuning.mma_register_words(spec) <= tuning.MMA_REGISTER_WORDS, spec.key
                 assert spec.shared_bytes <= heuristics.SMEM_OPT_IN_LIMIT[arch], spec.key
             else:
-                warps, rows, keys = tiles
+                _, rows, keys = tiles
                 assert rows * math.ceil(bucket / 32) * words <= heuristics.ACC_REGISTER_BUDGET
                 assert rows * keys * words <= 16
                 assert spec.shared_bytes <= heuristics.SMEM_MAX, spec.key
@@ -123,11 +123,6 @@ def test_targets_cover_both_float32_families():
         tuning.candidates("sm_90", "int8", 64)
 
 
-needs_nvrtc = pytest.mark.skipif(
-    not nvrtc.nvrtc_available(),
-    reason='NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
-           '"nvidia-cuda-runtime==13.*")',
-)
 # A handful of compiles: the quick candidates of two keys, one per arch (the full sets were
 # swept once by hand: see docs/kernels.md, "Tuning").
 COMPILED = [(arch, dtype, d, tiles) for arch, dtype, d in (("sm_80", "float16", 128),
@@ -320,7 +315,7 @@ def test_tune_without_a_gpu_fails_with_one_clear_line(cache_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason is not None, reason=_gpu_reason or "")
+@needs_gpu
 def test_tune_quick_on_the_gpu(cache_dir):
     proc = subprocess.run([sys.executable, "-m", "cuonline", "tune", "--quick", "--json",
                            "--dtypes", "float16", "--dims", "64"],

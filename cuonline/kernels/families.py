@@ -160,8 +160,8 @@ ATTENTION_COMBINE = Family(
     arguments=arguments.combine_arguments,
 )
 ATTENTION_FWD_SIMT = Family(
-    name=AttentionSimtSpec.family, source="attention_fwd.cu",
-    headers=(COMMON_HEADER, "attention_block.cuh"), entries=("cuonline_attention_fwd",),
+    name=AttentionSimtSpec.family, source="attention_fwd_simt.cu",
+    headers=(COMMON_HEADER, "attention_score.cuh"), entries=("cuonline_attention_fwd",),
     spec=AttentionSimtSpec, planner=heuristics.plan_simt,
     arguments=arguments.attention_fwd_arguments, listing=_simt_listing,
     includes=(ATTENTION_COMBINE,),
@@ -169,8 +169,9 @@ ATTENTION_FWD_SIMT = Family(
                                                                        arch),
 )
 ATTENTION_FWD_MMA = Family(
-    name=AttentionMmaSpec.family, source="attention_mma.cu",
-    headers=(COMMON_HEADER, "tensor_core.cuh", "attention_block.cuh"),
+    name=AttentionMmaSpec.family, source="attention_fwd_mma.cu",
+    headers=(COMMON_HEADER, "tensor_core.cuh", "mma_fragments.cuh", "mma_tile_load.cuh",
+             "attention_score.cuh"),
     entries=("cuonline_attention_mma",), spec=AttentionMmaSpec, planner=heuristics.plan_mma,
     arguments=arguments.attention_fwd_arguments, listing=_mma_listing,
     includes=(ATTENTION_COMBINE,), runs=heuristics.uses_mma,

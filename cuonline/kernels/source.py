@@ -43,7 +43,7 @@ def read_kernel_file(name: str) -> str:
 def build_source(spec, *, overrides: dict | None = None) -> str:
     """Full compilable text of ``spec``: its defines, then the texts of its family's files.
 
-    ``overrides`` maps a file name (``"common.cuh"``, ``"attention_fwd.cu"``) to a text that
+    ``overrides`` maps a file name (``"common.cuh"``, ``"attention_fwd_simt.cu"``) to a text that
     replaces it: tests compile deliberately broken copies through this same path.
     """
     overrides = overrides or {}

@@ -114,7 +114,7 @@ def mma_register_words(spec) -> int:
 
     Per 16-row query tile of a warp (``m_tiles`` of them): the O accumulator (16 rows x Dv / 32
     lanes) and the score accumulator (16 x block_n / 32), both twice for float64; and the Q
-    fragments when attention_mma.cu keeps them in registers (``kQInRegs``: 4 words per k-step
+    fragments when attention_fwd_mma.cu keeps them in registers (``kQInRegs``: 4 words per k-step
     and query tile, when that is at most 32 words). Addresses, the softmax state and the option
     arguments come on top: ptxas's count is this plus 60 to 110.
     """

@@ -1,7 +1,9 @@
-// attention_fwd.cu: exact attention forward, FlashAttention-2 loop shape, SIMT (plain FMA).
+// attention_fwd_simt.cu: exact attention forward, FlashAttention-2 loop shape, SIMT (plain FMA).
 //
-// Variant selection: source.py prepends #define lines (see cuonline/kernels/specs.py),
-// common.cuh and attention_combine.cuh. Required defines:
+// Variant selection: source.py prepends #define lines (see cuonline/kernels/specs.py), then the
+// files cuonline/kernels/families.py lists: common.cuh, attention_score.cuh (the score pipeline:
+// visibility, score transform, the option flags as constants) and attention_combine.cuh.
+// Required defines:
 //   CUONLINE_T, CUONLINE_ACC        element type (float, double, __half, __nv_bfloat16) and
 //                                   accumulation type (float, or double for double inputs)
 //   CUONLINE_D, CUONLINE_DV         head dims of q/k and of v (1..256, may differ)
@@ -9,7 +11,7 @@
 //   CUONLINE_ROWS_PER_WARP          query rows owned by each warp  (kBlockM = warps * rows)
 //   CUONLINE_KEYS_PER_LANE          keys scored by each lane per tile (kBlockN = 32 * keys)
 //   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
-//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1
+//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1 (read by attention_score.cuh)
 //
 // Work decomposition
 //   grid.x = nbatch * n_query_tiles, grid.z = number of key splits (1 without CUONLINE_SPLIT)
@@ -30,8 +32,8 @@
 // computes the per-batch offsets from the broadcast views' strides, so broadcasting, transposes
 // and negative steps cost no copy. out and lse are contiguous: (nbatch, lq, Dv) and (nbatch, lq).
 
-#ifndef CUONLINE_SPLIT
-#error "attention_fwd.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
+#ifndef CUONLINE_KEYS_PER_LANE
+#error "attention_fwd_simt.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
 #endif
 
 namespace cuonline {
@@ -53,16 +55,11 @@ constexpr int kDmax = kD > kDv ? kD : kDv;
 // Lane t reads row t of sKV at column d: an odd row stride (in 4-byte words for float) puts
 // the 32 lanes on 32 different banks.
 constexpr int kLdKV = kDmax + 1;
-constexpr int kNumOperands = 5;
-enum Operand { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4 };
+using namespace cuonline::operand;
 
 // Without a split the kernel writes the final out (element type); with a split it writes a
 // partial, already normalised out and lse per split into an accumulation-type workspace.
-#if CUONLINE_SPLIT
-typedef Acc OutT;
-#else
-typedef T OutT;
-#endif
+typedef AttentionOut<T, Acc> OutT;
 
 // Stage rows [j0, j0 + kBlockN) x columns [0, kCols_) of K or V into sKV. Keys at or past
 // `key_end` (kv_lengths or Lk) are never read: their rows are zero, so padding may hold NaN.
@@ -108,18 +105,20 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    // ---- which queries, and which keys may be visible to them (attention_block.cuh)
+    // ---- which queries, and which keys may be visible to them (attention_score.cuh)
     const BlockRange range =
         block_range<kBlockM>(lq, lk, kv_lengths, window_left, window_right, split_keys);
-    const long long b = range.b, i0 = range.i0, diag = range.diag;
+    const long long b = range.b, i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
 
-    const long long* off = offsets + b * kNumOperands;
+    const long long* off = offsets + b * kCount;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
-    const ScoreMap<Acc> score_map(scale, softcap, alibi, b);  // scores in natural units
+    // visibility and the score transform (scores in natural units)
+    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
+                                  bias, mask, off, strides);
 
     SoftmaxState<Acc, kCols> state[kRows];
 #pragma unroll
@@ -159,37 +158,13 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
                 }
             }
 
-            // ---- score transform (softcap, bias, ALiBi) and masking, in natural units
+            // ---- score pipeline: logits in natural units, -inf for invisible keys
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
                 const long long i = i0 + warp * kRows + r;
 #pragma unroll
-                for (int t = 0; t < kKeys; ++t) {
-                    const long long j = j0 + lane + 32 * t;
-                    bool visible = i < lq && j < key_end && j >= j_lo && j < j_hi;
-#if CUONLINE_HAS_WINDOW
-                    visible = visible && j >= i + diag - window_left && j <= i + diag + window_right;
-#endif
-#if CUONLINE_HAS_MASK
-                    if (visible) {
-                        const long long mo = off[kMask] + i * strides[2 * kMask] +
-                                             j * strides[2 * kMask + 1];
-                        visible = mask[mo] != 0;
-                    }
-#endif
-                    Acc x = score_map.scaled(s[r][t]);
-#if CUONLINE_HAS_BIAS
-                    if (visible) {
-                        const long long bo = off[kBias] + i * strides[2 * kBias] +
-                                             j * strides[2 * kBias + 1];
-                        x += score_map.bias(bias[bo]);
-                    }
-#endif
-#if CUONLINE_HAS_ALIBI
-                    x -= score_map.alibi(i + diag, j);
-#endif
-                    s[r][t] = visible ? x : neg_inf(Acc());
-                }
+                for (int t = 0; t < kKeys; ++t)
+                    s[r][t] = pipe.score(s[r][t], i, j0 + lane + 32 * t);
             }
 
             // ---- rescale running state to the new row max; p = exp(s - m)
@@ -291,9 +266,9 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
             const int col = lane + 32 * c;
             if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[r].o[c]);
         }
-#if CUONLINE_SPLIT || CUONLINE_RETURN_LSE
-        if (lane == 0) lse[row] = row_lse;
-#endif
+        if constexpr (kWritesLse) {
+            if (lane == 0) lse[row] = row_lse;
+        }
     }
 }
 

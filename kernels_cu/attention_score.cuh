@@ -1,0 +1,288 @@
+// attention_score.cuh: the score pipeline of every attention family.
+//
+// Pasted (by cuonline/kernels/source.py, in the order cuonline/kernels/families.py lists) after
+// common.cuh into each attention family's text, so that all of them answer two questions with
+// one text:
+//   which keys a query may see    the block's key range (key tail or kv_lengths, the causal /
+//                                 window band, the split's slice), the row's band, the mask;
+//   how a raw score becomes a     q·k scaled, or soft-capped, plus the additive bias, minus the
+//   logit                         ALiBi penalty, in natural units.
+// The variant's option defines become the compile-time constants below, here and nowhere else;
+// kernels branch on them with `if constexpr`, so every branch is compiled (type-checked) in
+// every variant and a disabled one costs nothing.
+//
+// To add a score term: its flag below, its constant in ScorePipeline (the constructor) and its
+// line in ScorePipeline::logit; on the Python side its feature-table row
+// (cuonline/kernels/features.py), its validation rule and its NumPy term.
+
+#ifndef CUONLINE_SPLIT
+#error "attention families need the CUONLINE_* variant defines (cuonline/kernels/features.py)"
+#endif
+
+namespace cuonline {
+
+// ---------------------------------------------------------------------------------------------
+// the variant's options: the defines of cuonline/kernels/features.py, each 0 or 1
+
+constexpr bool kHasWindow = CUONLINE_HAS_WINDOW != 0;         // causal or sliding-window band
+constexpr bool kHasBias = CUONLINE_HAS_BIAS != 0;             // additive (lq, lk) bias
+constexpr bool kHasMask = CUONLINE_HAS_MASK != 0;             // boolean (lq, lk) mask, True keeps
+constexpr bool kHasKvLengths = CUONLINE_HAS_KV_LENGTHS != 0;  // keys per batch element
+constexpr bool kHasAlibi = CUONLINE_HAS_ALIBI != 0;           // ALiBi slope per batch element
+constexpr bool kHasSoftcap = CUONLINE_HAS_SOFTCAP != 0;       // cap tanh(scale q·k / cap)
+constexpr bool kReturnLse = CUONLINE_RETURN_LSE != 0;
+constexpr bool kSplit = CUONLINE_SPLIT != 0;                  // keys split across grid.z
+// A split writes each part's lse for the combine, whether or not the caller asked for it.
+constexpr bool kWritesLse = kSplit || kReturnLse;
+
+// Operands in the per-batch offset table (offsets[b * kCount + op]) and in strides[2 op]
+// (row stride), strides[2 op + 1] (column stride), in elements.
+namespace operand {
+enum : int { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4, kCount = 5 };
+}
+
+// The parameters of every attention forward kernel, in the order cuonline/kernels/arguments.py
+// passes them (one argument tuple serves every family); OutT is the family's output element
+// type (T, or Acc for the per-split partial outputs).
+#define CUONLINE_ATTENTION_PARAMS(OutT)                                                        \
+    const CUONLINE_T* __restrict__ q,             /* per batch: (lq, D) */                    \
+        const CUONLINE_T* __restrict__ k,         /* per batch: (lk, D) */                    \
+        const CUONLINE_T* __restrict__ v,         /* per batch: (lk, Dv) */                   \
+        const CUONLINE_ACC* __restrict__ bias,    /* per batch: (lq, lk) or null */           \
+        const unsigned char* __restrict__ mask,   /* per batch: (lq, lk) or null */           \
+        const long long* __restrict__ kv_lengths, /* (nbatch,) or null */                     \
+        const CUONLINE_ACC* __restrict__ alibi,   /* (nbatch,) or null */                     \
+        OutT* __restrict__ out,                   /* ([nsplit,] nbatch, lq, Dv) */            \
+        CUONLINE_ACC* __restrict__ lse,           /* ([nsplit,] nbatch, lq) or null */        \
+        const long long* __restrict__ offsets,    /* (nbatch, 5) */                           \
+        const long long* __restrict__ strides,    /* (5, 2) */                                \
+        int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,                             \
+        long long window_left, long long window_right, /* >= 2^60: unbounded */              \
+        long long split_keys                           /* keys per grid.z slice */
+
+// The output element type of a family whose final element type is T: a split writes partial,
+// already normalised outputs into an accumulation-type workspace, merged by the combine.
+template <class T, class Acc>
+using AttentionOut = typename Select<kSplit, Acc, T>::type;
+
+// ---------------------------------------------------------------------------------------------
+// the block: which queries one thread block covers, and the keys that may be visible to them
+
+struct BlockRange {
+    long long b;        // flattened batch element
+    long long i0;       // queries [i0, i_end) of this block
+    long long i_end;
+    long long diag;     // key aligned with query 0: Lk - Lq (bottom-right causal alignment)
+    long long key_end;  // keys at or past this (kv_lengths or Lk) are never read
+    long long j_lo;     // keys [j_lo, j_hi) may be visible to some query of the block;
+    long long j_hi;     // tiles outside it are never touched
+};
+
+// grid.x = nbatch * n_query_tiles, grid.z = key splits. The heaviest causal query tiles (the
+// last ones) are scheduled first.
+template <int kBlockM>
+__device__ __forceinline__ BlockRange block_range(int lq, int lk,
+                                                  const long long* __restrict__ kv_lengths,
+                                                  long long window_left,
+                                                  long long window_right,
+                                                  long long split_keys) {
+    BlockRange r;
+    const long long n_qtiles = (lq + kBlockM - 1) / kBlockM;
+    r.b = blockIdx.x / n_qtiles;
+    const long long qtile = n_qtiles - 1 - (blockIdx.x - r.b * n_qtiles);
+    r.i0 = qtile * kBlockM;
+    r.i_end = r.i0 + kBlockM < lq ? r.i0 + kBlockM : lq;
+    r.diag = (long long)lk - lq;
+
+    r.key_end = lk;
+    if constexpr (kHasKvLengths) r.key_end = kv_lengths[r.b];  // clipped to [0, lk] on the host
+    r.j_lo = 0;
+    r.j_hi = r.key_end;
+    if constexpr (kHasWindow) {
+        if (r.i0 + r.diag - window_left > r.j_lo) r.j_lo = r.i0 + r.diag - window_left;
+        if (r.i_end + r.diag + window_right < r.j_hi) r.j_hi = r.i_end + r.diag + window_right;
+    }
+    if constexpr (kSplit) {
+        const long long split = blockIdx.z;
+        if (split * split_keys > r.j_lo) r.j_lo = split * split_keys;
+        if ((split + 1) * split_keys < r.j_hi) r.j_hi = (split + 1) * split_keys;
+    }
+    return r;
+}
+
+// Row of (batch element b, query i) in out and lse, contiguous ([nsplit,] nbatch, lq). Derived
+// from the grid where it is written, so that no register carries it through the key loop.
+template <int kBlockM>
+__device__ __forceinline__ long long output_row(long long b, long long i, int lq) {
+    if constexpr (kSplit) {
+        const long long nbatch = gridDim.x / ((lq + kBlockM - 1) / kBlockM);
+        return ((long long)blockIdx.z * nbatch + b) * lq + i;
+    } else {
+        return b * lq + i;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The score pipeline of one block: raw score q·k of (query i, key j) -> the score the online
+// softmax sees, its logit or -inf where j is invisible to i.
+//
+// Natural units keep every finite score representable: folding log2(e) into the scale
+// (FlashAttention's FFMA) overflows scores above FLT_MAX / 1.44 to inf (issue 10, item 8);
+// log2(e) multiplies only s - m <= 0, where overflow gives -inf, i.e. weight 0
+// (SoftmaxState::weight). The constants are folded once per block (the ALiBi slope is the
+// batch element's); the members of a disabled option are never read and cost no register.
+template <class Acc>
+class ScorePipeline {
+  public:
+    // Mask and bias at one place (i, j): the elements of that row are dj column strides away.
+    // Formed for any place, dereferenced only where the place is in range (inside the operand).
+    struct Row {
+        const unsigned char* mask;
+        const Acc* bias;
+    };
+
+    // `off`: the batch element's row of the offset table (offsets + b * operand::kCount)
+    __device__ __forceinline__ ScorePipeline(const BlockRange& r, int lq, long long window_left,
+                                             long long window_right, Acc scale, Acc softcap,
+                                             const Acc* alibi, const Acc* bias,
+                                             const unsigned char* mask, const long long* off,
+                                             const long long* strides)
+        : lq_(lq), key_end_(r.key_end), j_lo_(r.j_lo), j_hi_(r.j_hi), diag_(r.diag),
+          window_left_(window_left), window_right_(window_right), mask_(mask), bias_(bias),
+          off_(off), strides_(strides) {
+        // scaled(qk) = qk * scale, or cap * tanh(qk * scale / cap)
+        scale_ = kHasSoftcap ? scale / softcap : scale;
+        cap_ = kHasSoftcap ? softcap : Acc(0);
+        slope_ = Acc(0);
+        if constexpr (kHasAlibi) slope_ = alibi[r.b];
+    }
+
+    // ---- visibility
+
+    // j lies in query i's key range: a real query, a key before the tail (Lk or kv_lengths),
+    // inside the block's range (band, split) and inside i's band. The mask is `keeps`.
+    __device__ __forceinline__ bool in_range(long long i, long long j) const {
+        bool in = i < lq_ && j < key_end_ && j >= j_lo_ && j < j_hi_;
+        if constexpr (kHasWindow)
+            in = in && j >= i + diag_ - window_left_ && j <= i + diag_ + window_right_;
+        return in;
+    }
+
+    // Every (i, j) of [i_first, i_last) x [j_first, j_last) is in range: one block-uniform
+    // test instead of one per element. [j_lo, j_hi) lies inside [0, key_end).
+    __device__ __forceinline__ bool covers(long long i_first, long long i_last, long long j_first,
+                                           long long j_last) const {
+        bool in = i_last <= lq_ && j_first >= j_lo_ && j_last <= j_hi_;
+        if constexpr (kHasWindow)
+            in = in && j_first >= i_last - 1 + diag_ - window_left_ &&
+                 j_last - 1 <= i_first + diag_ + window_right_;
+        return in;
+    }
+
+    // The keys [j_first, j_last) of query i (i < lq): the block's range cut to i's band.
+    __device__ __forceinline__ void row_keys(long long i, long long& j_first,
+                                             long long& j_last) const {
+        j_first = j_lo_;
+        j_last = j_hi_;
+        if constexpr (kHasWindow) {
+            if (i + diag_ - window_left_ > j_first) j_first = i + diag_ - window_left_;
+            if (i + diag_ + window_right_ + 1 < j_last) j_last = i + diag_ + window_right_ + 1;
+        }
+    }
+
+    // Mask and bias at (i, j), for a run of places along the row (the tensor-core fragments).
+    __device__ __forceinline__ Row row(long long i, long long j) const {
+        Row at{nullptr, nullptr};
+        if constexpr (kHasMask) at.mask = mask_ + offset(operand::kMask, i, j);
+        if constexpr (kHasBias) at.bias = bias_ + offset(operand::kBias, i, j);
+        return at;
+    }
+
+    // The mask keeps (i, j) (always, without a mask); (i, j) in range.
+    __device__ __forceinline__ bool keeps(long long i, long long j) const {
+        if constexpr (kHasMask) return mask_[offset(operand::kMask, i, j)] != 0;
+        else return true;
+    }
+
+    // ---- the score transform
+
+    // The logit of raw score qk at (i, j), in natural units. `bias_at()` reads the bias there;
+    // called only where `readable` (the place is in range and kept: inside the operand).
+    template <class BiasAt>
+    __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j, bool readable,
+                                         const BiasAt& bias_at) const {
+        Acc x;
+        if constexpr (kHasSoftcap) x = cap_ * tanh_(qk * scale_);
+        else x = qk * scale_;
+        if constexpr (kHasBias) {
+            if (readable) x += bias_at();
+        }
+        if constexpr (kHasAlibi) {
+            // diagonal-aligned distance: query i faces key i + diag
+            const long long dist = i + diag_ - j;
+            x -= slope_ * Acc(dist < 0 ? -dist : dist);
+        }
+        return x;
+    }
+    __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j) const {
+        return logit(qk, i, j, true, [&] { return bias_[offset(operand::kBias, i, j)]; });
+    }
+
+    // What the softmax sees of raw score qk at (i, j): its logit, or -inf where j is invisible
+    // to i. Here `at` is row(i, j - dj) and `in_range` is in_range(i, j), or true inside a tile
+    // that `covers` says is in range. The two overloads are the same function written as each
+    // family's code generation likes it best (sm_90, NVRTC 13): the tensor-core kernel's
+    // fragments as a select on `visible` (f16 D = 128 with a mask: 9.3 instructions per mma
+    // where an early return took 10.5), the SIMT kernel's scalar loop with an early return for
+    // a masked key (a `visible` bool there took a 32-bit register per score: +14 registers with
+    // every option).
+    __device__ __forceinline__ Acc score(Acc qk, long long i, long long j, bool in_range,
+                                         const Row& at, int dj) const {
+        bool visible = in_range;
+        if constexpr (kHasMask) {
+            if (visible) visible = at.mask[dj * strides_[2 * operand::kMask + 1]] != 0;
+        }
+        const Acc x = logit(qk, i, j, visible,
+                            [&] { return at.bias[dj * strides_[2 * operand::kBias + 1]]; });
+        return visible ? x : neg_inf(Acc());
+    }
+    __device__ __forceinline__ Acc score(Acc qk, long long i, long long j) const {
+        const bool in = in_range(i, j);
+        if constexpr (kHasMask) {
+            if (in && mask_[offset(operand::kMask, i, j)] == 0) return neg_inf(Acc());
+        }
+        const Acc x = logit(qk, i, j, in, [&] { return bias_[offset(operand::kBias, i, j)]; });
+        return in ? x : neg_inf(Acc());
+    }
+
+    // The same pipeline, reading the offset table and the strides through other pointers to
+    // the same tables: the tensor-core kernel's slow path passes opaque copies, so that values
+    // loaded before its loop are loaded again rather than held in registers through it.
+    __device__ __forceinline__ ScorePipeline rebased(const long long* off,
+                                                     const long long* strides) const {
+        ScorePipeline p = *this;
+        p.off_ = off;
+        p.strides_ = strides;
+        return p;
+    }
+
+  private:
+    // Element (i, j) of operand op of this batch element. The offset table and the strides are
+    // read where they are used (not held in members): ptxas then keeps or reloads them as it
+    // likes (SIMT f16 D = 64 with every option took 237 registers with members for them).
+    __device__ __forceinline__ long long offset(int op, long long i, long long j) const {
+        return off_[op] + i * strides_[2 * op] + j * strides_[2 * op + 1];
+    }
+
+    int lq_;
+    long long key_end_, j_lo_, j_hi_, diag_, window_left_, window_right_;
+    Acc scale_;  // scale, or scale / softcap
+    Acc cap_;
+    Acc slope_;
+    const unsigned char* mask_;  // (lq, lk) per batch element, through offsets and strides
+    const Acc* bias_;
+    const long long* off_;       // the batch element's row of the offset table
+    const long long* strides_;   // (5, 2)
+};
+
+}  // namespace cuonline

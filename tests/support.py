@@ -1,0 +1,365 @@
+"""Helpers shared by the test modules (``conftest.py`` keeps only fixtures and hooks).
+
+Three parts: what this machine can run (dtypes, tolerances, the engines, one skip marker per
+missing tool); ThreadSanitizer subprocesses; and the attention cases and runners that several
+test modules, and the TSan subprocesses they start, have in common. A subprocess imports this
+module (``tests/`` is on its ``sys.path``), never a test module.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from oracle import reference_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------------------------
+# dtypes and tolerances
+
+try:
+    import ml_dtypes
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:   # optional: bfloat16 cases are skipped without it
+    BFLOAT16 = None
+
+DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
+
+# Absolute error allowed against the float64 oracle, relative to the scale of the output
+# (values drawn from N(0, 1) so |out| <= a few). float32/float64: a few ulp of the inputs'
+# precision amplified by the length of the dot products; 16-bit: output rounding dominates.
+TOLERANCE = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 2e-5,
+    np.dtype(np.float16): 4e-3,
+}
+if BFLOAT16 is not None:
+    TOLERANCE[BFLOAT16] = 3e-2
+
+
+def tolerance(dtype) -> float:
+    """The absolute error allowed for ``dtype`` against the float64 oracle."""
+    return TOLERANCE[np.dtype(dtype)]
+
+
+# --------------------------------------------------------------------------------------------
+# what this machine can run, and one marker for each thing that may be missing
+
+
+@functools.lru_cache(maxsize=None)
+def emulation_available() -> str | None:
+    """None when the emulation backend can run here, else the reason it cannot."""
+    try:
+        import cuonline.engines.cuda  # noqa: F401 - the engine that drives the emulation
+        from cuonline.testing import emulate
+    except ImportError as exc:
+        return f"the emulation backend is not importable: {exc}"
+    return emulate.compiler_problem()
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> str | None:
+    """None when a CUDA GPU and CuPy are usable, else the reason they are not."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - any failure means "no GPU here"
+        return f"no usable CUDA GPU: {type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_available() -> str | None:
+    """None when NVRTC and the CUDA headers are installed (no GPU needed), else why not."""
+    from cuonline.toolchain import nvrtc
+    if nvrtc.nvrtc_available():
+        return None
+    return ('NVRTC not installed (pip install cupy-cuda13x "nvidia-cuda-nvrtc==13.*" '
+            '"nvidia-cuda-runtime==13.*")')
+
+
+needs_emulation = pytest.mark.skipif(emulation_available() is not None,
+                                     reason=f"emulation unavailable: {emulation_available()}")
+needs_gpu = pytest.mark.skipif(gpu_available() is not None, reason=str(gpu_available()))
+needs_nvrtc = pytest.mark.skipif(nvrtc_available() is not None, reason=str(nvrtc_available()))
+
+
+def cuda_backend_params():
+    """pytest params for the CUDA engine's two module kinds: emulate (CPU) and cupy (GPU)."""
+    return [pytest.param("emulate", id="emulate", marks=needs_emulation),
+            pytest.param("cupy", id="cupy", marks=[pytest.mark.gpu, needs_gpu])]
+
+
+def engine_params():
+    """pytest params for every engine: numpy always, emulate and cupy where they can run."""
+    return [pytest.param("numpy", id="numpy")] + cuda_backend_params()
+
+
+class Engine:
+    """Runs attention on one engine with NumPy data in and out, whatever the engine's arrays."""
+
+    def __init__(self, name):
+        self.name = name
+        self.xp = np
+        if name == "cupy":
+            import cupy
+            self.xp = cupy
+
+    def put(self, x):
+        return None if x is None else self.xp.asarray(x)
+
+    def get(self, x):
+        return x.get() if hasattr(x, "get") and self.xp is not np else np.asarray(x)
+
+    def attention(self, q, k, v, **options):
+        import cuonline
+        for name in ("bias", "mask", "kv_lengths", "alibi_slopes"):
+            if isinstance(options.get(name), np.ndarray):
+                options[name] = self.put(options[name])
+        backend = "auto" if self.name == "numpy" else self.name
+        result = cuonline.attention(self.put(q), self.put(k), self.put(v), backend=backend,
+                                    **options)
+        if options.get("return_lse"):
+            return self.get(result[0]), self.get(result[1])
+        return self.get(result)
+
+
+# --------------------------------------------------------------------------------------------
+# ThreadSanitizer
+
+
+def check_races(code: str, *, expect_race: bool) -> None:
+    """Run Python ``code`` under ThreadSanitizer (see :func:`run_under_tsan`); the code must
+    print ``DONE`` at its end, and TSan must report a data race exactly when ``expect_race``."""
+    proc, raced = run_under_tsan(code)
+    assert "DONE" in proc.stdout, proc.stderr[-3000:]
+    assert raced == expect_race, proc.stderr[-3000:]
+    if not expect_race:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def run_under_tsan(code: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run Python ``code`` in a subprocess with ThreadSanitizer loaded.
+
+    The code sees the repository root and ``tests/`` on ``sys.path`` (so it can ``import
+    support``) and may compile emulated modules with ``emulate_options=dict(tsan=True)``. Skips
+    the calling test where the emulation or libtsan is missing. Returns the finished process
+    and whether TSan reported a data race.
+    """
+    reason = emulation_available()
+    if reason is not None:
+        pytest.skip(reason)
+    from cuonline.testing import emulate
+
+    try:
+        env = emulate.tsan_environment()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    prelude = (f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+               "from cuonline.testing import emulate\nassert emulate.running_under_tsan()\n")
+    proc = subprocess.run([emulate.tsan_python(), "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=str(ROOT))
+    raced = "WARNING: ThreadSanitizer: data race" in proc.stderr
+    return proc, raced
+
+
+# --------------------------------------------------------------------------------------------
+# attention cases and the CUDA engine's runners (tests/test_cuda_engine.py, test_mma_engine.py
+# and their TSan subprocesses)
+
+OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
+                "softcap", "return_lse")
+
+#: Every option of validate_attention at its "off" value.
+ATTENTION_DEFAULTS = dict(scale=None, causal=False, window=None, bias=None, mask=None,
+                          kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False)
+
+
+def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, kv_batch=None,
+              options=()):
+    """Inputs for one case: ``(q, k, v, options_dict)``; options named in ``options`` are set.
+
+    ``kv_batch`` gives k/v their own (broadcastable) leading shape, e.g. grouped queries.
+    """
+    rng = np.random.default_rng(seed)
+    kv_batch = batch if kv_batch is None else kv_batch
+    q = rng.standard_normal(batch + (lq, d)).astype(dtype)
+    k = rng.standard_normal(kv_batch + (lk, d)).astype(dtype)
+    v = rng.standard_normal(kv_batch + (lk, dv)).astype(dtype)
+    full = np.broadcast_shapes(batch, kv_batch)
+    opts = {}
+    for name in options:
+        if name == "causal":
+            opts["causal"] = True
+        elif name == "window":
+            opts["window"] = (9, 4)
+        elif name == "scale":
+            opts["scale"] = 0.7
+        elif name == "bias":
+            # (Lq, Lk) broadcast over the batch: read with zero batch strides, never expanded.
+            opts["bias"] = rng.standard_normal((lq, lk)).astype(np.float32)
+        elif name == "mask":
+            m = rng.random((1, lq, lk)) < 0.8
+            m[0, 0, :] = False                      # one fully masked row
+            opts["mask"] = m
+        elif name == "kv_lengths":
+            lengths = rng.integers(0, lk + 1, size=full)
+            lengths.flat[0] = 0                     # one batch element sees no key at all
+            lengths.flat[-1] = lk
+            opts["kv_lengths"] = lengths
+        elif name == "alibi_slopes":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, size=full[-1:])
+        elif name == "softcap":
+            opts["softcap"] = 1.5
+        elif name == "return_lse":
+            opts["return_lse"] = True
+        else:
+            raise ValueError(name)
+    return q, k, v, opts
+
+
+def problem_of(backend, q, k, v, precision="highest", **options):
+    """The validated Problem of NumPy inputs (moved to the GPU for ``"cupy"``)."""
+    xp = np
+    if backend == "cupy":
+        import cupy as xp  # noqa: PLC0415
+    kwargs = dict(ATTENTION_DEFAULTS)
+    kwargs.update({n: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
+                   for n, x in options.items()})
+    from cuonline._validate import validate_attention
+    return validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
+                              precision=precision, **kwargs)
+
+
+def run_cuda(backend, q, k, v, *, num_sms=None, n_splits=None, kernel_sources=None,
+             emulate_options=None, **options):
+    """Run the CUDA engine on NumPy inputs (moved to the GPU for "cupy"); NumPy results."""
+    from cuonline.engines import cuda
+    from cuonline.engines.target import overrides
+    problem = problem_of(backend, q, k, v, **options)
+    with overrides(num_sms=num_sms, n_splits=n_splits, kernel_sources=kernel_sources,
+                   emulate_options=emulate_options):
+        out, lse = cuda.attention(problem)
+    if backend == "cupy":
+        out, lse = out.get(), (None if lse is None else lse.get())
+    return out, lse
+
+
+def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=None,
+            kernel_sources=None, emulate_options=None, expect_cp_async=None, tuned=None,
+            expect_key=None, **options):
+    """Run the engine on the tensor-core family; NumPy results. ``tuned`` forces tiles (the
+    engine's seam); ``expect_*`` check the planned variant."""
+    from cuonline.engines import cuda
+    from cuonline.engines.target import overrides
+    from cuonline.kernels import arguments, families, heuristics
+    from cuonline.kernels.specs import AttentionMmaSpec
+    p = problem_of(backend, q, k, v, precision, **options)
+    plan = families.plan_attention(p, n_splits=n_splits,
+                                   num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
+                                   cp_async=arguments.cp_async_aligned(p), tuned=tuned)
+    assert isinstance(plan.spec, AttentionMmaSpec), plan.spec.key       # the dispatcher picked it
+    if expect_cp_async is not None:
+        assert plan.spec.cp_async == expect_cp_async, plan.spec.key
+    if expect_key is not None:
+        assert expect_key in plan.spec.key, plan.spec.key
+    with overrides(n_splits=n_splits, num_sms=num_sms, tuned=tuned or {},
+                   kernel_sources=kernel_sources, emulate_options=emulate_options):
+        out, lse = cuda.attention(p)
+    if backend == "cupy":
+        out, lse = out.get(), (None if lse is None else lse.get())
+    return out, lse
+
+
+def oracle_errors(q, k, v, out, lse, options):
+    """Max abs error of out and lse against the float64 oracle, and whether -inf rows agree."""
+    ref_options = {n: x for n, x in options.items() if n != "return_lse"}
+    ref_out, ref_lse = reference_attention(q, k, v, **ref_options)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    out_err = float(np.max(np.abs(out.astype(np.float64) - ref_out), initial=0.0))
+    if lse is None:
+        return out_err, 0.0
+    assert lse.shape == ref_lse.shape
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "fully-masked rows differ"
+    finite = np.isfinite(ref_lse)
+    lse_err = float(np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(
+        1.0, np.abs(ref_lse[finite])), initial=0.0))
+    return out_err, lse_err
+
+
+# --------------------------------------------------------------------------------------------
+# the barrier mutants' cases (tests/test_barrier_mutants.py and its TSan subprocess)
+
+#: The cases that run a file's code: the families that paste it.
+BARRIER_CASES_OF = {
+    "attention_fwd_simt.cu": ("simt",),
+    "attention_fwd_mma.cu": ("mma",),
+    "tensor_core.cuh": ("mma",),
+    "attention_score.cuh": ("simt", "mma"),
+    "attention_combine.cuh": ("simt_split", "mma_split"),
+    "common.cuh": ("simt", "mma", "softmax"),
+    "softmax.cu": ("softmax",),
+}
+
+#: (dtype, family, lq, lk, n_splits): 200 keys are 4 tiles of 64 (mma f16 D = 32: two stages,
+#: so stage 0 is refilled at tile 2 and read again at tile 3) and a ragged tail; 40 rows are
+#: 5 SIMT blocks of 4 warps, 80 rows 3 warps of two query tiles; split: 2 key splits.
+BARRIER_ATTENTION_CASES = {
+    "simt": (np.float32, "attention_fwd_simt", 40, 200, None),
+    "mma": (np.float16, "attention_fwd_mma", 80, 200, None),
+    "simt_split": (np.float32, "attention_fwd_simt", 40, 300, 2),
+    "mma_split": (np.float16, "attention_fwd_mma", 80, 300, 2),
+}
+#: Every barrier case: the attention ones and the softmax one.
+BARRIER_CASES = sorted(BARRIER_ATTENTION_CASES) + ["softmax"]
+#: An error this far above the dtype's rounding is a broken kernel.
+_BROKEN = {np.float32: 1e-3, np.float16: 3e-2}
+
+
+def barrier_threshold(case) -> float:
+    """The error above which ``case``'s kernel counts as broken."""
+    return 1e-6 if case == "softmax" else _BROKEN[BARRIER_ATTENTION_CASES[case][0]]
+
+
+def run_barrier_case(case, sources=None, tsan=False) -> float:
+    """Run ``case`` on the kernels (with ``sources`` replacing files); return its max error
+    (inf for a non-finite output, or a kernel the emulation stops: a deadlock, a trap)."""
+    from cuonline.testing.emulate import EmulationError
+    try:
+        return _run_barrier_case(case, sources, tsan)
+    except EmulationError:
+        return float("inf")
+
+
+def _run_barrier_case(case, sources, tsan):
+    import cuonline
+    from cuonline.engines import cuda
+    from cuonline.engines.target import overrides
+    options = dict(mode="threads", tsan=True) if tsan else None
+    rng = np.random.default_rng(7)
+    if case == "softmax":
+        x = rng.standard_normal((3, 3000)).astype(np.float32)  # 4 warps per row, one block
+        with overrides(max_blocks=1, kernel_sources=sources, emulate_options=options):
+            out = cuonline.softmax(x, axis=1, backend="emulate")
+        if not np.isfinite(out).all():
+            return float("inf")
+        e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+        return float(np.abs(out - e / e.sum(axis=1, keepdims=True)).max())
+    dtype, family, lq, lk, n_splits = BARRIER_ATTENTION_CASES[case]
+    q = rng.standard_normal((2, lq, 32)).astype(dtype)
+    k = rng.standard_normal((2, lk, 32)).astype(dtype)
+    v = rng.standard_normal((2, lk, 24)).astype(dtype)
+    p = problem_of("emulate", q, k, v, return_lse=True)
+    with overrides(num_sms=1, n_splits=n_splits, family=family, tuned={},
+                   kernel_sources=sources, emulate_options=options):
+        out, _ = cuda.attention(p)
+    if not np.isfinite(out).all():
+        return float("inf")
+    ref, _ = reference_attention(q, k, v)
+    return float(np.abs(out.astype(np.float64) - ref).max())
