@@ -26,6 +26,7 @@ import argparse
 import gc
 import itertools
 import math
+import os
 import time
 import tracemalloc
 
@@ -79,6 +80,17 @@ def best_seconds(fn, repeat):
     return best
 
 
+def blas_description():
+    """Which BLAS library and kernel set NumPy runs, and OPENBLAS_CORETYPE if it is pinned
+    (a pinned core type can leave a newer CPU on older kernels: the ceiling moves with it)."""
+    from threadpoolctl import threadpool_info
+
+    libs = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')}, "
+            f"{i.get('num_threads')} threads)" for i in threadpool_info() if i["user_api"] == "blas"]
+    pinned = os.environ.get("OPENBLAS_CORETYPE")
+    return "; ".join(libs) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")
+
+
 def blas_ceiling(dtype, repeat, n=2048):
     """GFLOP/s of an n x n x n matrix product in ``dtype`` with all of BLAS's threads."""
     rng = np.random.default_rng(1)
@@ -120,6 +132,7 @@ def main(argv=None):
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
     print(f"B=1 H={args.heads}; {workers()} cores; numpy {np.__version__}; "
           + (f"torch {__import__('torch').__version__}" if torch_run else "torch not installed"))
+    print("BLAS: " + blas_description())
     print("BLAS ceiling (2048^3 matmul, all cores): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "

@@ -20,7 +20,8 @@ def test_cpu_benchmark_prints_side_by_side_figures(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     lines = result.stdout.splitlines()
-    assert lines[1].startswith("BLAS ceiling") and "GFLOP/s" in lines[1]
+    assert lines[1].startswith("BLAS: ") and lines[2].startswith("BLAS ceiling")
+    assert "GFLOP/s" in lines[2]
     rows = [line for line in lines if line.startswith("|   256 |")]
     assert len(rows) == 4                               # 2 dtypes x causal or not
     for row in rows:
