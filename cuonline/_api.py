@@ -17,8 +17,9 @@ _CUDA_BACKENDS = ("cupy", "emulate")
 
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
-              kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False,
-              precision="highest", backend="auto", workers=None):
+              kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
+              q_offset=None, k_offset=0, return_lse=False, precision="highest",
+              backend="auto", workers=None):
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -40,12 +41,14 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     scale : float, optional
         Multiplies ``q @ k.T``. Default ``1 / sqrt(D)``.
     causal : bool, optional
-        Query ``i`` sees key ``j`` only if ``j <= i + (Lk - Lq)``: the causal diagonal is
-        aligned to the bottom-right corner, so the last query sees every key.
+        Query ``i`` sees key ``j`` only if ``delta <= 0``, where ``delta`` is the key's
+        position minus the query's (see `q_offset`): with the default offsets,
+        ``j <= i + (Lk - Lq)``, the causal diagonal aligned to the bottom-right corner, so
+        the last query sees every key.
     window : (int or None, int or None), optional
-        ``(left, right)``: with ``d = i + (Lk - Lq)``, key ``j`` is visible only if
-        ``d - left <= j <= d + right``; ``None`` leaves a side unbounded. Combines with
-        `causal` by intersection.
+        ``(left, right)``: key ``j`` is visible only if ``-left <= delta <= right`` (with the
+        default offsets and ``d = i + (Lk - Lq)``: ``d - left <= j <= d + right``); ``None``
+        leaves a side unbounded. Combines with `causal` by intersection.
     bias : array, optional
         Real floating array broadcastable to ``S + (Lq, Lk)``, added to the scores. It is read
         through its broadcast strides, never expanded to the full shape.
@@ -55,10 +58,23 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         Broadcastable to ``S``: keys ``j >= kv_lengths`` are padding and are never read, so
         they may hold anything (NaN included). Values above ``Lk`` mean all keys.
     alibi_slopes : array, optional
-        Real floating array broadcastable to ``S``: adds ``-slope * |i + (Lk - Lq) - j|`` to
-        the scores.
+        Real floating array broadcastable to ``S``: adds ``-slope * |delta|`` to the scores
+        (``-slope * |i + (Lk - Lq) - j|`` with the default offsets).
     softcap : float, optional
-        ``c > 0``: scores become ``c * tanh(s / c)`` before `bias` and ALiBi are added.
+        ``c > 0``: the content score ``s = scale * q . k`` becomes ``c * tanh(s / c)`` before
+        `bias` and ALiBi are added (Gemma 2, FlashAttention).
+    softcap_bias : bool, optional
+        With `softcap`: apply the cap to the whole logit instead, after `bias` and ALiBi are
+        added, ``c * tanh((s + bias - slope * |delta|) / c)`` (AlphaGenome). Then a ``-inf``
+        bias gives the logit ``-c``, not a masked key: mask with `mask`. Default False.
+    q_offset : int, optional
+        Position of query 0: query ``i`` sits at ``q_offset + i``. Default ``Lk - Lq`` (the
+        last query faces the last key). Causal, window and ALiBi read the distance
+        ``delta = (k_offset + j) - (q_offset + i)``, so attention over chunks of the queries
+        and keys, each called with its chunk's offsets, merges exactly with :func:`merge`.
+        Any int (NumPy ints included); ``q_offset - k_offset`` is clamped to ``+-2**53``.
+    k_offset : int, optional
+        Position of key 0: key ``j`` sits at ``k_offset + j``. Default 0.
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -91,13 +107,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     ------
     TypeError
         Non-floating or mismatched dtypes, a non-boolean `mask`, arrays from different
-        libraries, a `backend` that does not take the inputs' library, or a `workers` that
-        is not an int or None.
+        libraries, a `backend` that does not take the inputs' library, a `workers` that
+        is not an int or None, or offsets that are not ints.
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
-        `scale` or `softcap` that is not finite (or ``softcap <= 0``), an unknown `backend`
-        or `precision`, ``precision="tf32"`` with inputs other than float32, ``workers=0``
-        or ``workers < -os.cpu_count()``.
+        `scale` or `softcap` that is not finite (or ``softcap <= 0``), ``softcap_bias=True``
+        without `softcap`, an unknown `backend` or `precision`, ``precision="tf32"`` with
+        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``.
 
     See Also
     --------
@@ -105,8 +121,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
 
     Notes
     -----
-    With scores :math:`s_{ij} = \mathrm{scale}\, q_i \cdot k_j` (then softcap, bias, ALiBi and
-    masking), the result is :math:`o_i = \sum_j p_{ij} v_j` with
+    With scores :math:`s_{ij} = \mathrm{scale}\, q_i \cdot k_j` (then softcap, bias, ALiBi, or
+    bias, ALiBi, softcap with `softcap_bias`, and masking), the result is :math:`o_i = \sum_j p_{ij} v_j` with
     :math:`p_{ij} = e^{s_{ij}} / \sum_{j'} e^{s_{ij'}}`. Keys are visited in tiles; each
     query keeps :math:`m` (the running max), :math:`l = \sum e^{s - m}` and the unnormalised
     :math:`O = \sum e^{s - m} v`, and on each tile with new max :math:`m'` rescales
@@ -132,10 +148,20 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     >>> out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
     >>> out.shape, lse.shape
     ((2, 4, 100, 16), (2, 4, 100))
+
+    Causal attention over two chunks of keys, each at its own position, merged:
+
+    >>> a = cuonline.attention(q, k[..., :64, :], v[..., :64, :], causal=True,
+    ...                        q_offset=20, return_lse=True)
+    >>> b = cuonline.attention(q, k[..., 64:, :], v[..., 64:, :], causal=True,
+    ...                        q_offset=20, k_offset=64, return_lse=True)
+    >>> bool(np.allclose(cuonline.merge(a, b)[0], out, atol=1e-5))
+    True
     """
     problem = _validate.validate_attention(
         q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
         kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
+        softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset,
         return_lse=return_lse, precision=precision, backend=backend, workers=workers,
     )
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")

@@ -6,11 +6,15 @@ CUDA planner and the tests all agree on one definition of "visible", "accumulati
 
 Conventions
 -----------
-* Query ``i`` is aligned with key ``i + (Lk - Lq)`` (bottom-right alignment, as FlashAttention
-  2.1+). ``diagonal_offset(lq, lk)`` returns that ``Lk - Lq``.
+* Positions: query ``i`` sits at ``q_offset + i`` and key ``j`` at ``k_offset + j``; the default
+  ``q_offset = Lk - Lq``, ``k_offset = 0`` aligns the last query with the last key (bottom-right
+  alignment, as FlashAttention 2.1+). Every position rule reads the distance
+  ``delta = (k_offset + j) - (q_offset + i) = j - (i + diag)``, with the diagonal offset
+  ``diag = q_offset - k_offset`` (:func:`diagonal_offset`): query ``i`` faces key ``i + diag``.
 * A window is a pair ``(left, right)`` of non-negative ints or ``None`` (unbounded). Key ``j`` is
-  visible from query ``i`` iff ``d - left <= j <= d + right`` with ``d = i + Lk - Lq``.
-  ``causal=True`` is the window ``(None, 0)``; both combine by intersection.
+  visible from query ``i`` iff ``-left <= delta <= right``, i.e. ``d - left <= j <= d + right``
+  with ``d = i + diag``. ``causal=True`` is the window ``(None, 0)``; both combine by
+  intersection. ALiBi adds ``-slope * |delta|``.
 * Scores are exponentiated with ``exp2`` after folding ``log2(e)`` into the scale.
 """
 
@@ -23,6 +27,7 @@ import numpy as np
 __all__ = [
     "LOG2E",
     "LN2",
+    "MAX_DIAGONAL",
     "accumulation_dtype",
     "diagonal_offset",
     "effective_window",
@@ -33,6 +38,12 @@ LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
 Window = tuple  # (left: int | None, right: int | None)
+
+#: Diagonal offsets are clamped to +-MAX_DIAGONAL. Visibility does not change (past +-(Lq + Lk)
+#: every query sees all keys or none, the same at either size), ALiBi distances stay exact
+#: integers in float64 up to this bound, and with window sides below 2**60 (the kernels'
+#: "unbounded") every ``i + diag +- side`` stays far inside int64.
+MAX_DIAGONAL = 1 << 53
 
 
 def accumulation_dtype(dtype) -> np.dtype:
@@ -47,9 +58,14 @@ def accumulation_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
-def diagonal_offset(lq: int, lk: int) -> int:
-    """Key index aligned with query 0: ``Lk - Lq`` (bottom-right causal alignment)."""
-    return lk - lq
+def diagonal_offset(lq: int, lk: int, q_offset=None, k_offset: int = 0) -> int:
+    """Key index aligned with query 0: ``q_offset - k_offset``, clamped to +-MAX_DIAGONAL.
+
+    ``q_offset=None`` is ``Lk - Lq`` (bottom-right alignment), so ``diagonal_offset(lq, lk)`` is
+    ``Lk - Lq``. The offsets are ints of any size (validated by the caller).
+    """
+    q_offset = lk - lq if q_offset is None else int(q_offset)
+    return max(-MAX_DIAGONAL, min(MAX_DIAGONAL, q_offset - int(k_offset)))
 
 
 def effective_window(causal: bool, window) -> tuple:
@@ -63,15 +79,16 @@ def effective_window(causal: bool, window) -> tuple:
     return (left, right)
 
 
-def visible_key_range(i0: int, i1: int, lq: int, lk: int, window) -> tuple:
+def visible_key_range(i0: int, i1: int, lq: int, lk: int, window, diagonal=None) -> tuple:
     """Half-open key range ``[j0, j1)`` that any query in ``[i0, i1)`` may see.
 
     Keys outside the range are invisible to every query of the block, so an engine may skip
     them without reading them. Keys inside may still be masked element by element.
-    ``window`` is the pair returned by :func:`effective_window`.
+    ``window`` is the pair returned by :func:`effective_window`; ``diagonal`` the offset of
+    :func:`diagonal_offset` (default ``Lk - Lq``).
     """
     left, right = window
-    off = diagonal_offset(lq, lk)
-    j0 = 0 if left is None else max(0, i0 + off - left)
+    off = diagonal_offset(lq, lk) if diagonal is None else diagonal
+    j0 = 0 if left is None else min(lk, max(0, i0 + off - left))
     j1 = lk if right is None else min(lk, i1 - 1 + off + right + 1)
     return (j0, max(j0, j1))

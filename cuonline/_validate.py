@@ -69,6 +69,9 @@ class Problem:
     kv_lengths: Any = None     # batch_shape, int64, values clipped to [0, lk], or None
     alibi_slopes: Any = None   # batch_shape, acc_dtype, or None
     workers: int | None = None  # NumPy engine threads, >= 1; None = every core it may use
+    # q_offset - k_offset, clamped (_semantics.diagonal_offset): query i faces key i + diagonal
+    diagonal_offset: int = 0
+    softcap_bias: bool = False  # the soft cap applies after bias and ALiBi (both not None)
 
     @property
     def nbatch(self) -> int:
@@ -274,9 +277,10 @@ def _check_real(value, name, *, positive=False):
     return value
 
 
-def _check_window(window, lq, lk):
-    """``(left, right)`` with ints >= 0 or None. A side of ``Lq + Lk`` or more reaches past
-    every key and becomes None (unbounded), so no engine does arithmetic with huge sides."""
+def _check_window(window, lq, lk, diagonal):
+    """``(left, right)`` with ints >= 0 or None. A side of ``Lq + Lk + |diagonal - (Lk - Lq)|``
+    or more (``Lq + Lk`` at the default offsets) reaches past every key from every query and
+    becomes None (unbounded), so no engine does arithmetic with huge sides."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -292,8 +296,19 @@ def _check_window(window, lq, lk):
             )
         if side < 0:
             raise ValueError(f"`window` {side_name} side must be >= 0, got {int(side)}")
-        sides.append(None if side >= lq + lk else int(side))
+        sides.append(None if side >= lq + lk + abs(diagonal - (lk - lq)) else int(side))
     return tuple(sides)
+
+
+def _check_offset(value, name, *, optional=False):
+    """An int position offset (a NumPy int too; not a bool), of any size."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        expected = "an int or None" if optional else "an int"
+        raise TypeError(f"`{name}` must be {expected} (a position), got "
+                        f"{type(value).__name__} {value!r}")
+    return int(value)
 
 
 def _check_workers(value):
@@ -329,8 +344,8 @@ def _check_matrix(x, name, dims):
 
 def validate_attention(
     q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
-    alibi_slopes=None, softcap=None, return_lse=False, backend="auto", precision="highest",
-    workers=None,
+    alibi_slopes=None, softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
+    return_lse=False, backend="auto", precision="highest", workers=None,
 ) -> Problem:
     """Check the arguments of :func:`cuonline.attention` (same keywords, same defaults) and
     build its :class:`Problem`."""
@@ -379,6 +394,13 @@ def validate_attention(
     acc = _semantics.accumulation_dtype(dtype)
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _check_real(scale, "scale")
     softcap = None if softcap is None else _check_real(softcap, "softcap", positive=True)
+    softcap_bias = _check_bool(softcap_bias, "softcap_bias")
+    if softcap_bias and softcap is None:
+        raise ValueError("`softcap_bias=True` caps the whole logit with `softcap`, but "
+                         "`softcap` is None; pass softcap=c or leave softcap_bias=False")
+    diagonal = _semantics.diagonal_offset(
+        lq, lk, _check_offset(q_offset, "q_offset", optional=True),
+        _check_offset(k_offset, "k_offset"))
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(
             f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}"
@@ -388,7 +410,7 @@ def validate_attention(
     causal = _check_bool(causal, "causal")
     workers = _check_workers(workers)
     return_lse = _check_bool(return_lse, "return_lse")
-    window = _semantics.effective_window(causal, _check_window(window, lq, lk))
+    window = _semantics.effective_window(causal, _check_window(window, lq, lk, diagonal))
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
@@ -425,6 +447,9 @@ def validate_attention(
             )
         alibi_slopes = _broadcast_to(xp, alibi_slopes, batch, "alibi_slopes", "the batch shape S")
         alibi_slopes = alibi_slopes.astype(acc, order="C")
+    # with nothing added to the content score, capping it or the whole logit is one thing:
+    # one variant fewer to compile
+    softcap_bias = softcap_bias and (bias is not None or alibi_slopes is not None)
 
     return Problem(
         xp=xp, backend=backend, batch_shape=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
@@ -434,7 +459,7 @@ def validate_attention(
         k=xp.broadcast_to(_native(xp, k), batch + (lk, d)),
         v=xp.broadcast_to(_native(xp, v), batch + (lk, dv)),
         bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
-        workers=workers,
+        workers=workers, diagonal_offset=diagonal, softcap_bias=softcap_bias,
     )
 
 

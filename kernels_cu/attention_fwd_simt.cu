@@ -107,7 +107,8 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
 
     // ---- which queries, and which keys may be visible to them (attention_score.cuh)
     const BlockRange range =
-        block_range<kBlockM>(lq, lk, kv_lengths, window_left, window_right, split_keys);
+        block_range<kBlockM>(lq, lk, diagonal_offset, kv_lengths, window_left, window_right,
+                             split_keys);
     const long long b = range.b, i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
 

@@ -6,7 +6,7 @@
 //   which keys a query may see    the block's key range (key tail or kv_lengths, the causal /
 //                                 window band, the split's slice), the row's band, the mask;
 //   how a raw score becomes a     q·k scaled, or soft-capped, plus the additive bias, minus the
-//   logit                         ALiBi penalty, in natural units.
+//   logit                         ALiBi penalty (or all of it soft-capped), in natural units.
 // The variant's option defines become the compile-time constants below, here and nowhere else;
 // kernels branch on them with `if constexpr`, so every branch is compiled (type-checked) in
 // every variant and a disabled one costs nothing.
@@ -29,7 +29,11 @@ constexpr bool kHasBias = CUONLINE_HAS_BIAS != 0;             // additive (lq, l
 constexpr bool kHasMask = CUONLINE_HAS_MASK != 0;             // boolean (lq, lk) mask, True keeps
 constexpr bool kHasKvLengths = CUONLINE_HAS_KV_LENGTHS != 0;  // keys per batch element
 constexpr bool kHasAlibi = CUONLINE_HAS_ALIBI != 0;           // ALiBi slope per batch element
-constexpr bool kHasSoftcap = CUONLINE_HAS_SOFTCAP != 0;       // cap tanh(scale q·k / cap)
+constexpr bool kHasSoftcap = CUONLINE_HAS_SOFTCAP != 0;       // cap tanh(x / cap)
+// ... of the whole logit (after bias and ALiBi) instead of the content score scale q·k alone
+constexpr bool kSoftcapBias = CUONLINE_SOFTCAP_BIAS != 0;
+constexpr bool kCapScore = kHasSoftcap && !kSoftcapBias;
+constexpr bool kCapLogit = kHasSoftcap && kSoftcapBias;
 constexpr bool kReturnLse = CUONLINE_RETURN_LSE != 0;
 constexpr bool kSplit = CUONLINE_SPLIT != 0;                  // keys split across grid.z
 // A split writes each part's lse for the combine, whether or not the caller asked for it.
@@ -56,7 +60,9 @@ enum : int { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4, kCount = 5 };
         CUONLINE_ACC* __restrict__ lse,           /* ([nsplit,] nbatch, lq) or null */        \
         const long long* __restrict__ offsets,    /* (nbatch, 5) */                           \
         const long long* __restrict__ strides,    /* (5, 2) */                                \
-        int lq, int lk, CUONLINE_ACC scale, CUONLINE_ACC softcap,                             \
+        int lq, int lk,                                                                       \
+        long long diagonal_offset,        /* q_offset - k_offset: query i faces key i + it */ \
+        CUONLINE_ACC scale, CUONLINE_ACC softcap,                                             \
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         long long split_keys                           /* keys per grid.z slice */
 
@@ -72,7 +78,7 @@ struct BlockRange {
     long long b;        // flattened batch element
     long long i0;       // queries [i0, i_end) of this block
     long long i_end;
-    long long diag;     // key aligned with query 0: Lk - Lq (bottom-right causal alignment)
+    long long diag;     // key facing query 0: q_offset - k_offset (|diag| <= 2^53)
     long long key_end;  // keys at or past this (kv_lengths or Lk) are never read
     long long j_lo;     // keys [j_lo, j_hi) may be visible to some query of the block;
     long long j_hi;     // tiles outside it are never touched
@@ -81,7 +87,7 @@ struct BlockRange {
 // grid.x = nbatch * n_query_tiles, grid.z = key splits. The heaviest causal query tiles (the
 // last ones) are scheduled first.
 template <int kBlockM>
-__device__ __forceinline__ BlockRange block_range(int lq, int lk,
+__device__ __forceinline__ BlockRange block_range(int lq, int lk, long long diagonal_offset,
                                                   const long long* __restrict__ kv_lengths,
                                                   long long window_left,
                                                   long long window_right,
@@ -92,7 +98,7 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk,
     const long long qtile = n_qtiles - 1 - (blockIdx.x - r.b * n_qtiles);
     r.i0 = qtile * kBlockM;
     r.i_end = r.i0 + kBlockM < lq ? r.i0 + kBlockM : lq;
-    r.diag = (long long)lk - lq;
+    r.diag = diagonal_offset;
 
     r.key_end = lk;
     if constexpr (kHasKvLengths) r.key_end = kv_lengths[r.b];  // clipped to [0, lk] on the host
@@ -150,9 +156,11 @@ class ScorePipeline {
         : lq_(lq), key_end_(r.key_end), j_lo_(r.j_lo), j_hi_(r.j_hi), diag_(r.diag),
           window_left_(window_left), window_right_(window_right), mask_(mask), bias_(bias),
           off_(off), strides_(strides) {
-        // scaled(qk) = qk * scale, or cap * tanh(qk * scale / cap)
-        scale_ = kHasSoftcap ? scale / softcap : scale;
+        // scaled(qk) = qk * scale, or cap * tanh(qk * scale / cap); a capped logit x becomes
+        // cap * tanh(x * inv_cap)
+        scale_ = kCapScore ? scale / softcap : scale;
         cap_ = kHasSoftcap ? softcap : Acc(0);
+        inv_cap_ = kCapLogit ? Acc(1) / softcap : Acc(0);
         slope_ = Acc(0);
         if constexpr (kHasAlibi) slope_ = alibi[r.b];
     }
@@ -211,17 +219,19 @@ class ScorePipeline {
     template <class BiasAt>
     __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j, bool readable,
                                          const BiasAt& bias_at) const {
+        // content score, capped unless the whole logit is
         Acc x;
-        if constexpr (kHasSoftcap) x = cap_ * tanh_(qk * scale_);
+        if constexpr (kCapScore) x = cap_ * tanh_(qk * scale_);
         else x = qk * scale_;
         if constexpr (kHasBias) {
             if (readable) x += bias_at();
         }
         if constexpr (kHasAlibi) {
-            // diagonal-aligned distance: query i faces key i + diag
+            // |delta|, delta = key position - query position = j - (i + diag)
             const long long dist = i + diag_ - j;
             x -= slope_ * Acc(dist < 0 ? -dist : dist);
         }
+        if constexpr (kCapLogit) x = cap_ * tanh_(x * inv_cap_);
         return x;
     }
     __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j) const {
@@ -276,8 +286,9 @@ class ScorePipeline {
 
     int lq_;
     long long key_end_, j_lo_, j_hi_, diag_, window_left_, window_right_;
-    Acc scale_;  // scale, or scale / softcap
+    Acc scale_;  // scale, or scale / softcap (kCapScore)
     Acc cap_;
+    Acc inv_cap_;  // 1 / softcap (kCapLogit)
     Acc slope_;
     const unsigned char* mask_;  // (lq, lk) per batch element, through offsets and strides
     const Acc* bias_;

@@ -22,6 +22,20 @@ MUTANTS = {
         "bool in = i < lq_ && j < key_end_ && j >= j_lo_ && j < j_hi_;",
         "bool in = i < lq_ && j >= j_lo_;",
     ),
+    # The diagonal from the lengths (Lk - Lq) instead of the positions: q_offset and k_offset
+    # ignored, so chunks merged with `merge` under causal, a window or ALiBi go wrong.
+    "diagonal_from_lengths": (
+        "attention_score.cuh",
+        "r.diag = diagonal_offset;",
+        "r.diag = (long long)lk - lq;",
+    ),
+    # softcap_bias ignored: the cap applies to the content score, before bias and ALiBi.
+    "softcap_before_bias": (
+        "attention_score.cuh",
+        "constexpr bool kCapScore = kHasSoftcap && !kSoftcapBias;\n"
+        "constexpr bool kCapLogit = kHasSoftcap && kSoftcapBias;",
+        "constexpr bool kCapScore = kHasSoftcap;\nconstexpr bool kCapLogit = false;",
+    ),
     # The accumulator is not rescaled when the running max grows (the denominator still is).
     "no_rescale": (
         "common.cuh",

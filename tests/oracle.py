@@ -11,38 +11,53 @@ import numpy as np
 
 
 def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=None,
-                        mask=None, kv_lengths=None, alibi_slopes=None, softcap=None):
-    """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs."""
+                        mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
+                        softcap_bias=False, q_offset=None, k_offset=0):
+    """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs.
+
+    Each term is built densely from its definition, in the documented order: the content
+    score ``scale * q . k``, the soft cap (unless ``softcap_bias``), ``bias`` and ALiBi, the
+    soft cap (if ``softcap_bias``), then masking. Positions: query ``i`` at ``q_offset + i``
+    (default ``Lk - Lq``), key ``j`` at ``k_offset + j``; ``delta`` = key position - query
+    position, exact for offsets of any size (Python ints beyond int64 included).
+    """
     q, k, v = (_f64(x) for x in (q, k, v))
     lq, d = q.shape[-2:]
     lk = k.shape[-2]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if scale is None:
         scale = 1.0 / np.sqrt(max(d, 1))
+    if q_offset is None:
+        q_offset = lk - lq
+
+    # delta[i, j] = (k_offset + j) - (q_offset + i): int64 where that is exact, else Python ints
+    base = int(k_offset) - int(q_offset)
+    exact = np.int64 if abs(base) < 2**60 else object
+    delta = (np.arange(lk, dtype=exact)[None, :] - np.arange(lq, dtype=exact)[:, None]
+             + (np.int64(base) if exact is np.int64 else base))
 
     s = scale * np.einsum("...id,...jd->...ij", q, k)
     s = np.broadcast_to(s, batch + (lq, lk)).copy()
-    if softcap is not None:
+    if softcap is not None and not softcap_bias:
         s = softcap * np.tanh(s / softcap)
     if bias is not None:
         s = s + _f64(bias)
-
-    i = np.arange(lq)[:, None]
-    j = np.arange(lk)[None, :]
-    diag = i + (lk - lq)          # the key aligned with query i (bottom-right)
     if alibi_slopes is not None:
         slopes = np.broadcast_to(_f64(alibi_slopes), batch)[..., None, None]
-        s = s - slopes * np.abs(diag - j)
+        s = s - slopes * np.abs(delta).astype(np.float64)
+    if softcap is not None and softcap_bias:
+        s = softcap * np.tanh(s / softcap)
 
+    j = np.arange(lk)[None, :]
     visible = np.ones(batch + (lq, lk), dtype=bool)
     if causal:
-        visible &= j <= diag
+        visible &= delta <= 0
     if window is not None:
         left, right = window
         if left is not None:
-            visible &= j >= diag - left
+            visible &= delta >= -left
         if right is not None:
-            visible &= j <= diag + right
+            visible &= delta <= right
     if mask is not None:
         visible &= _np(mask)
     if kv_lengths is not None:

@@ -174,11 +174,12 @@ def run_under_tsan(code: str) -> tuple[subprocess.CompletedProcess, bool]:
 # and their TSan subprocesses)
 
 OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
-                "softcap", "return_lse")
+                "softcap", "softcap_bias", "offsets", "return_lse")
 
 #: Every option of validate_attention at its "off" value.
 ATTENTION_DEFAULTS = dict(scale=None, causal=False, window=None, bias=None, mask=None,
-                          kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False)
+                          kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
+                          q_offset=None, k_offset=0, return_lse=False)
 
 
 def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, kv_batch=None,
@@ -217,6 +218,15 @@ def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, 
             opts["alibi_slopes"] = rng.uniform(0.05, 0.5, size=full[-1:])
         elif name == "softcap":
             opts["softcap"] = 1.5
+        elif name == "softcap_bias":
+            # the cap of the whole logit: needs the cap, and a bias to be after
+            opts["softcap_bias"] = True
+            opts.setdefault("softcap", 1.5)
+            if "bias" not in opts:
+                opts["bias"] = rng.standard_normal((lq, lk)).astype(np.float32)
+        elif name == "offsets":
+            # query i at 7 + i, key j at j - 4: the diagonal at 11, not Lk - Lq
+            opts["q_offset"], opts["k_offset"] = 7, -4
         elif name == "return_lse":
             opts["return_lse"] = True
         else:

@@ -161,7 +161,8 @@ def test_every_feature_has_its_define_and_its_arguments_in_every_family_that_sup
         for family in feature.families:
             spec = families.get(family).listing("sm_90")[0]
             assert f"#define {feature.define} 0" in source.build_source(spec)
-            on = type(spec)(**{**spec.as_dict(), "features": (feature.name,)})
+            on = type(spec)(**{**spec.as_dict(),
+                                "features": features.with_required((feature.name,))})
             text = source.build_source(on)
             assert f"#define {feature.define} 1" in text and on.key.endswith(feature.name)
             assert feature.define in source.read_kernel_file(families.get(family).source) or \

@@ -64,6 +64,13 @@ CASES = [
      r"`window` must be a pair \(left, right\) of ints or None, got 3"),
     ("window float", lambda: cuonline.attention(q, k, v, window=(1, 2.5)), TypeError,
      r"`window` right side must be an int >= 0 or None, got 2.5"),
+    ("softcap_bias without softcap", lambda: cuonline.attention(q, k, v, softcap_bias=True),
+     ValueError, r"`softcap_bias=True` caps the whole logit with `softcap`, but `softcap` is "
+                 r"None; pass softcap=c or leave softcap_bias=False"),
+    ("q_offset float", lambda: cuonline.attention(q, k, v, q_offset=2.0), TypeError,
+     r"`q_offset` must be an int or None \(a position\), got float 2.0"),
+    ("k_offset bool", lambda: cuonline.attention(q, k, v, k_offset=True), TypeError,
+     r"`k_offset` must be an int \(a position\), got bool True"),
     ("softcap zero", lambda: cuonline.attention(q, k, v, softcap=0.0), ValueError,
      r"`softcap` must be > 0, got 0.0"),
     ("softcap inf", lambda: cuonline.attention(q, k, v, softcap=np.inf), ValueError,

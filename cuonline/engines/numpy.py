@@ -102,7 +102,8 @@ def _plan(p):
     for b in np.ndindex(*p.batch_shape):
         kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         for i0, i1 in q_blocks:
-            j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window)
+            j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
+                                                  p.diagonal_offset)
             j1 = max(j0, min(j1, kv_len))      # keys at or past kv_lengths are never read
             n_tiles = math.ceil((j1 - j0) / BLOCK_K)
             if splits == 1 or n_tiles < 2:
@@ -284,7 +285,7 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     acc_t = p.acc_dtype
     n = i1 - i0
     left, right = p.window
-    diag = np.arange(i0, i1, dtype=np.int64) + _semantics.diagonal_offset(p.lq, p.lk)  # key of row
+    diag = np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)  # key facing row
 
     # Scores and the running max stay in natural units: any finite score is representable,
     # whereas folding log2(e) in would overflow scores above max / 1.44. Only s - m <= 0 is
@@ -298,15 +299,15 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         """(n, je - js) scores of the tile, -inf where a row may not see a key (but for the
         window band when ``band`` is false: the kernel takes that from its ``lo`` and ``hi``)."""
         s = qb @ _blas_ready(k[js:je], acc_t).T
-        if cap is not None:                        # c * tanh(s / c)
-            s /= cap
-            np.tanh(s, out=s)
-            s *= cap
+        if cap is not None and not p.softcap_bias:
+            _soft_cap(s, cap)                      # the content score only
         if p.bias is not None:
             s += p.bias[b][i0:i1, js:je]
-        if slope is not None:                      # ALiBi: -slope * |i + Lk - Lq - j|
+        if slope is not None:                      # ALiBi: -slope * |i + diag - j|
             with np.errstate(over="ignore"):   # a term beyond the range: -inf
                 s -= slope * np.abs(diag[:, None] - np.arange(js, je)[None, :]).astype(acc_t)
+        if cap is not None and p.softcap_bias:
+            _soft_cap(s, cap)                      # the whole logit (AlphaGenome)
         # masking: the window band only where this tile crosses its edge
         if band and left is not None and js < diag[-1] - left:
             np.copyto(s, -np.inf, where=np.arange(js, je)[None, :] < (diag - left)[:, None])
@@ -353,6 +354,13 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         o[np.isnan(l)] = np.nan
         lse = m + np.log(l)
     return o, lse.astype(acc_t, copy=False)
+
+
+def _soft_cap(s, cap):
+    """``s = cap * tanh(s / cap)`` in place."""
+    s /= cap
+    np.tanh(s, out=s)
+    s *= cap
 
 
 def _nonfinite_values(p, vt, visible, pv):

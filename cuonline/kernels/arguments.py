@@ -29,7 +29,8 @@ CP_ASYNC_BYTES = 16
 #: order; the feature table names its kernel arguments among these.
 ATTENTION_FWD_SIGNATURE = (
     "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "out", "lse", "offsets",
-    "strides", "lq", "lk", "scale", "softcap", "window_left", "window_right", "split_keys",
+    "strides", "lq", "lk", "diagonal_offset", "scale", "softcap", "window_left", "window_right",
+    "split_keys",
 )
 #: Parameters of ``cuonline_attention_combine``.
 COMBINE_SIGNATURE = ("ws_out", "ws_lse", "out", "lse", "nrows", "n_splits")
@@ -130,6 +131,7 @@ def attention_fwd_arguments(p, plan, out, lse):
     values = dict(
         arrays, kv_lengths=kv_lengths, alibi_slopes=slopes, out=out, lse=lse,
         offsets=offsets, strides=strides, lq=np.int32(p.lq), lk=np.int32(p.lk),
+        diagonal_offset=np.int64(p.diagonal_offset),    # clamped to +-2**53 by validation
         scale=acc(p.scale), softcap=acc(p.softcap if p.softcap is not None else 1.0),
         window_left=np.int64(UNBOUNDED if left is None else left),
         window_right=np.int64(UNBOUNDED if right is None else right),

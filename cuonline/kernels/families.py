@@ -92,10 +92,25 @@ def _names(family):
     return tuple(f.name for f in features.supported_by(family))
 
 
+def _alone(name):
+    """The variant of one option: with the options it requires, and for an option that
+    modifies them, with the terms it is about (softcap_bias: a bias)."""
+    extra = ("bias",) if features.by_name(name).requires else ()
+    return features.with_required((name,) + extra)
+
+
+def _together(names):
+    """Every option at once, in each of the ways one option can modify another (the soft cap
+    of the content score, and of the whole logit)."""
+    modifiers = {n for n in names if features.by_name(n).requires}
+    return [tuple(n for n in names if n not in modifiers), names] if modifiers else [names]
+
+
 def _simt_listing(arch: str = DEFAULT_ARCH) -> list:
     """SIMT family: every dtype x D in {32, 64, 128, 256} (long sequences, no options) and the
     decoding shape (Lq = 1, split keys); for float32 and float16 at D = 64 and 128: Dv = 2 D,
-    each option alone and all of them together; float64 D = 256 decoding with every option."""
+    each option alone and all of them together (with the soft cap of the content score and of
+    the whole logit); float64 D = 256 decoding with every option."""
     names = _names(AttentionSimtSpec.family)
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
@@ -106,16 +121,19 @@ def _simt_listing(arch: str = DEFAULT_ARCH) -> list:
         for d in (64, 128):
             specs.append(_simt(dtype, d, 2 * d, 4096, arch=arch))
             for name in names:
-                specs.append(_simt(dtype, d, d, 4096, arch=arch, features=(name,)))
-            specs.append(_simt(dtype, d, d, 4096, arch=arch, features=names))
-    specs.append(_simt("float64", 256, 256, 1, arch=arch, split=True, features=names))
+                specs.append(_simt(dtype, d, d, 4096, arch=arch, features=_alone(name)))
+            for together in _together(names):
+                specs.append(_simt(dtype, d, d, 4096, arch=arch, features=together))
+    for together in _together(names):
+        specs.append(_simt("float64", 256, 256, 1, arch=arch, split=True, features=together))
     return specs
 
 
 def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
     """Tensor-core family (sm_80 and newer; none below): every dtype (float32 = TF32) x D in
     {32, 64, 96, 128, 256} (float64 up to 128), Dv != D, each option alone at D = 64 and all
-    together at D = 64 and 128 (f16 and tf32), all at f16 D = 256 and f64 D = 64, the decoding
+    together at D = 64 and 128 (f16 and tf32), all at f16 D = 256 and f64 D = 64 (all: with
+    either soft cap, of the content score or of the whole logit), the decoding
     shape (Lq = 1, split keys), split keys with many queries (f16 and tf32) and the
     element-wise loader (strided views)."""
     if not heuristics.mma_supported(arch):
@@ -131,14 +149,16 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
     for dtype in ("float16", "float32"):
         specs.append(_mma(dtype, 128, 64, 4096, arch=arch))
         for name in names:
-            specs.append(_mma(dtype, 64, 64, 4096, arch=arch, features=(name,)))
+            specs.append(_mma(dtype, 64, 64, 4096, arch=arch, features=_alone(name)))
         for d in (64, 128):
-            specs.append(_mma(dtype, d, d, 4096, arch=arch, features=names))
+            for together in _together(names):
+                specs.append(_mma(dtype, d, d, 4096, arch=arch, features=together))
         # split keys at two query tiles per warp (a few hundred queries, many keys)
         specs.append(_mma(dtype, 64, 64, 4096, arch=arch, split=True, features=("return_lse",)))
-    specs.append(_mma("float16", 256, 256, 4096, arch=arch, features=names))
-    specs.append(_mma("float64", 64, 64, 4096, arch=arch, features=names))
-    specs.append(_mma("float64", 128, 128, 1, arch=arch, split=True, features=names))
+    for together in _together(names):
+        specs.append(_mma("float16", 256, 256, 4096, arch=arch, features=together))
+        specs.append(_mma("float64", 64, 64, 4096, arch=arch, features=together))
+        specs.append(_mma("float64", 128, 128, 1, arch=arch, split=True, features=together))
     return specs
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["FEATURES", "FORWARD_FAMILIES", "Feature", "by_name", "of_problem", "supported_by"]
+__all__ = ["FEATURES", "FORWARD_FAMILIES", "Feature", "by_name", "of_problem", "supported_by",
+           "with_required"]
 
 #: The attention forward families (names as in :mod:`cuonline.kernels.families`). Named here
 #: as the families each option supports; the registry checks that every name is registered.
@@ -39,6 +40,9 @@ class Feature:
         The kernel parameters that carry its data (names as in the families' signatures).
     families : tuple of str
         The kernel families that support it.
+    requires : tuple of str
+        The features it modifies, which a variant with it always has too (validation refuses
+        a call that sets it alone).
     """
 
     name: str
@@ -46,6 +50,7 @@ class Feature:
     define: str
     arguments: tuple
     families: tuple = FORWARD_FAMILIES
+    requires: tuple = ()
 
 
 #: In key order. ``causal`` has no row: it is folded into ``window`` by validation.
@@ -59,6 +64,9 @@ FEATURES = (
     Feature("alibi", lambda p: p.alibi_slopes is not None, "CUONLINE_HAS_ALIBI",
             ("alibi_slopes",)),
     Feature("softcap", lambda p: p.softcap is not None, "CUONLINE_HAS_SOFTCAP", ("softcap",)),
+    # the soft cap applies to the whole logit, after bias and ALiBi (``softcap_bias=True``)
+    Feature("softcap_bias", lambda p: p.softcap_bias, "CUONLINE_SOFTCAP_BIAS", ("softcap",),
+            requires=("softcap",)),
     Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",)),
 )
 
@@ -77,6 +85,14 @@ def by_name(name: str) -> Feature:
 def supported_by(family: str) -> tuple:
     """The rows ``family`` supports, in key order."""
     return tuple(f for f in FEATURES if family in f.families)
+
+
+def with_required(names) -> tuple:
+    """``names`` and the features they require, in key order (a variant that can run)."""
+    wanted = set(names)
+    for name in names:
+        wanted.update(by_name(name).requires)
+    return tuple(f.name for f in FEATURES if f.name in wanted)
 
 
 def of_problem(problem, family: str) -> tuple:

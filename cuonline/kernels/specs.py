@@ -67,6 +67,11 @@ class AttentionSpec:
                 or any(n not in names for n in self.features)):
             raise ValueError(f"features of {self.family} must be a tuple of distinct names "
                              f"among {names}, got {self.features!r}")
+        for n in self.features:
+            lacking = [r for r in _features.by_name(n).requires if r not in self.features]
+            if lacking:
+                raise ValueError(f"features of {self.family}: {n} requires "
+                                 f"{', '.join(lacking)}, got {self.features!r}")
         # one order for keys and equality: the table's
         object.__setattr__(self, "features", tuple(n for n in names if n in self.features))
 
