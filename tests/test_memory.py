@@ -10,6 +10,11 @@ import cuonline
 
 
 def peak_extra_bytes(fn):
+    # one small call first: the first call of a process compiles the tile kernel (numba),
+    # a one-time cost that is not the call's working memory
+    x = np.zeros((2, 8, 4), dtype=np.float32)
+    cuonline.attention(x, x, x, causal=True)
+    cuonline.attention(x.astype(np.float64), x.astype(np.float64), x.astype(np.float64))
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
