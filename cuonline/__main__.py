@@ -76,8 +76,10 @@ def run_demo(args) -> int:
     bias = np.lib.stride_tricks.sliding_window_view(table, length)[:, ::-1]
 
     q_x, k_x, v_x, bias_x = (xp.asarray(a) for a in (q, k, v, bias))
-    if xp is not np:
-        cuonline.attention(q_x, k_x, v_x, causal=True, bias=bias_x)  # warm-up (compiles)
+    # warm-up: the first call compiles (the CUDA variant of this shape, or the NumPy engine's
+    # tile kernel, for which a small slice is enough), a one-time cost the timing leaves out
+    w = length if xp is not np else min(length, 64)
+    cuonline.attention(q_x[:, :w], k_x[:, :w], v_x[:, :w], causal=True, bias=bias_x[:w, :w])
     start = time.perf_counter()
     out = cuonline.attention(q_x, k_x, v_x, causal=True, bias=bias_x)
     _synchronize(xp)
