@@ -15,7 +15,7 @@ from oracle import reference_attention
 from cuonline._validate import validate_attention
 from cuonline.engines import cuda
 from cuonline.engines.target import overrides
-from cuonline.kernels import families, heuristics
+from cuonline.kernels import families, heuristics, specs
 
 DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 DTYPE_IDS = [np.dtype(t).name for t in DTYPES]
@@ -95,3 +95,20 @@ def test_emulated_float16_on_sm75_runs_simt_and_matches_numpy():
         out, _ = cuda.attention(p)
     ref, _ = reference_attention(q, k, v, causal=True)
     assert np.abs(out - ref).max() < 4e-3
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89", "sm_120", "sm_121"])
+def test_tensor_core_tiles_fit_archs_without_a_table_of_their_own(arch):
+    """RTX 30xx/40xx (sm_86, sm_89) and consumer Blackwell (sm_120) let a block opt into 99 KiB
+    of shared memory, not the 163 or 227 KiB of the sm_80 and sm_90 tables; an arch cuonline
+    does not know gets the smallest limit. Every planned tile must fit, or the launch fails."""
+    limit = heuristics.mma_smem_limit(arch)
+    assert limit == 99 * 1024
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for width in (32, 64, 128, 256):
+            if width > specs.MMA_MAX_HEAD_DIM[dtype]:
+                continue
+            for lq in (1, 17, 4096):
+                tiles = heuristics.choose_mma_tiles(dtype, width, width, lq, arch)
+                spec = specs.AttentionMmaSpec(dtype=dtype, d=width, dv=width, **tiles._asdict())
+                assert spec.shared_bytes <= limit, (arch, spec.key, spec.shared_bytes)

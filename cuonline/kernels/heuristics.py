@@ -50,6 +50,12 @@ DEFAULT_ARCH = "sm_90"
 SMEM_OPT_IN_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 #: The same limit on the archs that run only the SIMT family (V100: 96 KiB, T4: 64 KiB).
 SMEM_OPT_IN_LIMIT_SIMT_ONLY = {"sm_70": 96 * 1024, "sm_75": 64 * 1024}
+#: The limit on tensor-core archs without a tile table of their own (CUDA programming guide,
+#: technical specifications): consumer Ampere and Ada (sm_86, sm_89) and consumer Blackwell
+#: (sm_120) allow 99 KiB, Jetson Orin (sm_87) 163 KiB, datacenter Blackwell (sm_100) 227 KiB.
+#: An arch in none of the tables gets the smallest of them, so its tiles fit whatever it is.
+SMEM_OPT_IN_LIMIT_OTHER = {"sm_86": 99 * 1024, "sm_87": 163 * 1024, "sm_89": 99 * 1024,
+                           "sm_100": 227 * 1024, "sm_120": 99 * 1024}
 #: The tensor-core family needs sm_80: mma.sync for bf16, tf32 and f64 (m8n8k4 DMMA) and
 #: cp.async are sm_80 instructions. Older GPUs (V100 sm_70, T4 sm_75) run every dtype on the
 #: SIMT family.
@@ -129,6 +135,18 @@ def simt_smem_limit(arch: str = DEFAULT_ARCH) -> int:
     """Dynamic shared memory a SIMT block may use on ``arch``: :data:`SMEM_MAX`, or less where
     the arch's opt-in limit is lower (sm_75: 64 KiB)."""
     return min(SMEM_MAX, SMEM_OPT_IN_LIMIT_SIMT_ONLY.get(arch, SMEM_MAX))
+
+
+def mma_smem_limit(arch: str) -> int:
+    """Dynamic shared memory a tensor-core block may opt into on ``arch``."""
+    base = f"sm_{arch_number(arch)}"
+    return (SMEM_OPT_IN_LIMIT.get(base) or SMEM_OPT_IN_LIMIT_OTHER.get(base)
+            or min(SMEM_OPT_IN_LIMIT_OTHER.values()))
+
+
+def mma_table_arch(arch: str) -> str:
+    """The tile table an arch uses: sm_90's from sm_90 on, sm_80's for the other sm_8x."""
+    return "sm_90" if arch_number(arch) >= 90 else "sm_80"
 
 
 def d_bucket(width: int) -> int:
@@ -261,18 +279,25 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
     :func:`tuned_tiles`); one for this dtype and D bucket comes before :data:`MMA_TILES`.
     """
     name = dtype_name(dtype)
-    arch = arch if arch in SMEM_OPT_IN_LIMIT else DEFAULT_ARCH  # newer GPUs: the sm_90 table
+    limit = mma_smem_limit(arch)
+    table = mma_table_arch(arch)
     width = max(d, dv)
     # A measured winner first (measured on this GPU; tuning.candidates kept it within this
     # arch's shared-memory limit at the bucket's full width), else the built-in table.
     winner = tuned_tiles(tuned, AttentionMmaSpec.family, name, width)
-    tiles = MmaTiles(*(winner or MMA_TILES[(arch, name, d_bucket(width))]))
+    tiles = MmaTiles(*(winner or MMA_TILES[(table, name, d_bucket(width))]))
+    # An arch with less shared memory than its table's (sm_86, sm_89: 99 KiB against sm_80's
+    # 163): fewer stages first (latency hiding), then narrower key tiles, until the block fits.
+    while (AttentionMmaSpec(dtype=name, d=d, dv=dv, **tiles._asdict()).shared_bytes > limit
+           and (tiles.stages > 1 or tiles.block_n > 16)):
+        tiles = (tiles._replace(stages=tiles.stages - 1) if tiles.stages > 1
+                 else tiles._replace(block_n=tiles.block_n // 2))
     # Few query rows: two query tiles per warp only when one per warp would fill the block
     # (else more warps, each with one tile, finish sooner; decoding: one warp, no idle tile,
     # and the key split fills the GPU), then no warp without a row.
     m_tiles = tiles.m_tiles if lq > 16 * tiles.warps else 1
     warps = max(1, min(tiles.warps, math.ceil(max(lq, 1) / (16 * m_tiles))))
-    if (arch == "sm_80" and warps == 1 and winner is None and d_bucket(width) == 128
+    if (table == "sm_80" and warps == 1 and winner is None and d_bucket(width) == 128
             and name in ("float16", "bfloat16")):
         # One warp at D = 128 (decoding): sm_80's ptxas held the 64-key tile at 255 registers
         # and spilled 4 bytes beside the post-loop non-finite check; 32 keys take 228, no spill.
