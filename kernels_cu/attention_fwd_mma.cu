@@ -356,6 +356,18 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         cp_async_wait<0>();
     }
 
+    // this lane's columns 8 nv + 2t + c (c = 0, 1) of output row `row`, from its fragment
+    // values `vals` (2 kNv of them, already normalised)
+    auto write_lane_row = [&](long long row, const Acc* vals) {
+#pragma unroll
+        for (int nv = 0; nv < kNv; ++nv)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * nv + 2 * t + c;
+                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(vals[2 * nv + c]);
+            }
+    };
+
     // ---- keys a row cannot see must not reach it (issue 10, item 6). P·V is an mma, so an
     //      invisible key still multiplies its weight 0 into the row, and 0 · NaN = 0 · inf =
     //      NaN. Weights are finite and so are their products with finite values: only a
@@ -403,14 +415,9 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                         o[2 * nv + c] += p * mma_operand(v_j[c * cs_v]);
         }
         const Acc inv = Acc(1) / l_total;  // as SoftmaxState::finalize
-        const long long row = output_row<kBlockM>(b, i, lq);
 #pragma unroll
-        for (int nv = 0; nv < kNv; ++nv)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int col = 8 * nv + 2 * t + c;
-                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(o[2 * nv + c] * inv);
-            }
+        for (int c = 0; c < 2 * kNv; ++c) o[c] *= inv;
+        write_lane_row(output_row<kBlockM>(b, i, lq), o);
     };
 
     // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)
@@ -429,13 +436,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         const Acc row_lse = state[r].finalize(l_total);
         if (i >= lq) continue;
         const long long row = output_row<kBlockM>(b, i, lq);
-#pragma unroll
-        for (int nv = 0; nv < kNv; ++nv)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int col = 8 * nv + 2 * t + c;
-                if (col < kDv) out[row * kDv + col] = FromAcc<OutT>::cvt(state[r].o[2 * nv + c]);
-            }
+        write_lane_row(row, state[r].o);
         if constexpr (kWritesLse) {
             if (t == 0) lse[row] = row_lse;
         }
