@@ -50,8 +50,9 @@ VARIABLES = {
 #: arrays of a tile, printf) risk reaching the guard page below each stack (SIGSEGV);
 #: above 1 GiB per thread, 1024 threads of a block would need a TiB of address space.
 STACK_KB_RANGE = (64, 1024 * 1024)
-_DEFAULT_STACK_KB = 256
-_DEFAULT_WATCHDOG_S = 20.0
+# the defaults, taken from the table so the documented and the used value cannot drift apart
+_DEFAULT_STACK_KB = int(VARIABLES["CUONLINE_EMULATE_STACK_KB"][1])
+_DEFAULT_WATCHDOG_S = float(VARIABLES["CUONLINE_EMULATE_WATCHDOG_S"][1])
 
 
 def _get(name: str) -> str | None:

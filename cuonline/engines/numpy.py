@@ -303,16 +303,17 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
             _soft_cap(s, cap)                      # the content score only
         if p.bias is not None:
             s += p.bias[b][i0:i1, js:je]
+        cols = np.arange(js, je)                   # key indices of this tile
         if slope is not None:                      # ALiBi: -slope * |i + diag - j|
             with np.errstate(over="ignore"):   # a term beyond the range: -inf
-                s -= slope * np.abs(diag[:, None] - np.arange(js, je)[None, :]).astype(acc_t)
+                s -= slope * np.abs(diag[:, None] - cols[None, :]).astype(acc_t)
         if cap is not None and p.softcap_bias:
             _soft_cap(s, cap)                      # the whole logit (AlphaGenome)
         # masking: the window band only where this tile crosses its edge
         if band and left is not None and js < diag[-1] - left:
-            np.copyto(s, -np.inf, where=np.arange(js, je)[None, :] < (diag - left)[:, None])
+            np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
         if band and right is not None and je - 1 > diag[0] + right:
-            np.copyto(s, -np.inf, where=np.arange(js, je)[None, :] > (diag + right)[:, None])
+            np.copyto(s, -np.inf, where=cols[None, :] > (diag + right)[:, None])
         if p.mask is not None:
             np.copyto(s, -np.inf, where=~p.mask[b][i0:i1, js:je])
         return s
