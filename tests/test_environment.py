@@ -210,7 +210,8 @@ def test_emulation_cache_and_tuning_store_share_one_rule(monkeypatch, tmp_path):
 # documented in one place
 
 READS = re.compile(
-    r"""(?:environ(?:\.get)?\s*[\[(]\s*|getenv\(\s*|_get\(\s*)["']([A-Z][A-Z0-9_]*)["']""")
+    r"""(?:environ(?:\.get)?\s*[\[(]\s*|getenv\(\s*|_get\(\s*|env_text\(\s*)"""
+    r"""["']([A-Z][A-Z0-9_]*)["']""")
 # Read through a loop over names (toolchain/nvrtc.py), which the pattern above does not see.
 INDIRECT = {"CUDA_PATH", "CUDA_HOME"}
 

@@ -280,6 +280,9 @@ def test_mma_tiles_fit_the_budgets():
                               and dtype in ("float16", "bfloat16"))
                 assert tiles.block_n == (32 if decode_128 else builtin.block_n), spec.key
                 assert tiles.stages == builtin.stages, spec.key
+    # the exception itself, pinned: one-warp f16 at D = 128 on sm_80 takes 32-key tiles
+    assert heuristics.choose_mma_tiles("float16", 128, 128, 1, "sm_80").block_n == 32
+    assert heuristics.choose_mma_tiles("float16", 128, 128, 1, "sm_90").block_n == 64
 
 
 def test_plan_keys_are_readable():
