@@ -18,8 +18,9 @@ _CUDA_BACKENDS = ("cupy", "emulate")
 
 def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
               kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
-              q_offset=None, k_offset=0, return_lse=False, precision="highest",
-              backend="auto", workers=None):
+              q_offset=None, k_offset=0, bias_block=None, rel_bias=None, rel_q=None,
+              rel_k=None, return_lse=False, precision="highest", backend="auto",
+              workers=None):
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -50,8 +51,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         default offsets and ``d = i + (Lk - Lq)``: ``d - left <= j <= d + right``); ``None``
         leaves a side unbounded. Combines with `causal` by intersection.
     bias : array, optional
-        Real floating array broadcastable to ``S + (Lq, Lk)``, added to the scores. It is read
-        through its broadcast strides, never expanded to the full shape.
+        Real floating array broadcastable to ``S + (Lq, Lk)``, added to the scores (or, with
+        `bias_block`, to ``S + (ceil(Lq / r), ceil(Lk / c))``). It is read through its
+        broadcast strides, never expanded to the full shape.
     mask : bool array, optional
         Broadcastable to ``S + (Lq, Lk)``; ``True`` means the query may attend to the key.
     kv_lengths : int array, optional
@@ -61,12 +63,13 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         Real floating array broadcastable to ``S``: adds ``-slope * |delta|`` to the scores
         (``-slope * |i + (Lk - Lq) - j|`` with the default offsets).
     softcap : float, optional
-        ``c > 0``: the content score ``s = scale * q . k`` becomes ``c * tanh(s / c)`` before
-        `bias` and ALiBi are added (Gemma 2, FlashAttention).
+        ``c > 0``: the content score ``s`` (``scale * q . k``, plus the `rel_q` term) becomes
+        ``c * tanh(s / c)`` before `bias`, `rel_bias` and ALiBi are added (Gemma 2,
+        FlashAttention).
     softcap_bias : bool, optional
-        With `softcap`: apply the cap to the whole logit instead, after `bias` and ALiBi are
-        added, ``c * tanh((s + bias - slope * |delta|) / c)`` (AlphaGenome). Then a ``-inf``
-        bias gives the logit ``-c``, not a masked key: mask with `mask`. Default False.
+        With `softcap`: apply the cap to the whole logit instead, after `bias`, `rel_bias` and
+        ALiBi are added, ``c * tanh((s + bias - slope * |delta|) / c)`` (AlphaGenome). Then a
+        ``-inf`` bias gives the logit ``-c``, not a masked key: mask with `mask`. Default False.
     q_offset : int, optional
         Position of query 0: query ``i`` sits at ``q_offset + i``. Default ``Lk - Lq`` (the
         last query faces the last key). Causal, window and ALiBi read the distance
@@ -75,6 +78,21 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         Any int (NumPy ints included); ``q_offset - k_offset`` is clamped to ``+-2**53``.
     k_offset : int, optional
         Position of key 0: key ``j`` sits at ``k_offset + j``. Default 0.
+    bias_block : int or (int, int), optional
+        ``r`` or ``(r, c)``: `bias` is given per block of ``r`` queries by ``c`` keys, and score
+        ``(i, j)`` gets ``bias[..., i // r, j // c]`` (local indices): a pair map repeated over
+        blocks (AlphaGenome), read from the small array and never expanded.
+    rel_bias : array, optional
+        Real floating array broadcastable to ``S + (R,)``, ``R`` odd: score ``(i, j)`` gets
+        ``rel_bias[..., rb + clip(delta, -rb, rb)]`` with ``rb = (R - 1) // 2``, a bias that
+        depends on the distance only (T5-style), never expanded.
+    rel_q, rel_k : arrays, optional
+        Given together: `rel_q` broadcastable to ``S + (Lq, Dr)``, `rel_k` to ``S + (R, Dr)``
+        with ``R`` odd. Score ``(i, j)`` gets ``rel_q[..., i, :] . rel_k[..., rk +
+        clip(delta, -rk, rk), :]`` with ``rk = (R - 1) // 2``: relative-position logits that
+        depend on the query (Transformer-XL, Enformer, Borzoi), computed tile by tile, never as
+        an ``Lq x Lk`` array. `scale` does not multiply this term (pass `rel_q` scaled, as
+        Enformer scales ``q`` before both terms).
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -106,13 +124,16 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     Raises
     ------
     TypeError
-        Non-floating or mismatched dtypes, a non-boolean `mask`, arrays from different
+        Non-floating or mismatched dtypes of `q`, `k`, `v`, a non-floating `bias`,
+        `rel_bias`, `rel_q` or `rel_k`, a non-boolean `mask`, arrays from different
         libraries, a `backend` that does not take the inputs' library, a `workers` that
-        is not an int or None, or offsets that are not ints.
+        is not an int or None, or offsets or `bias_block` sizes that are not ints.
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
         `scale` or `softcap` that is not finite (or ``softcap <= 0``), ``softcap_bias=True``
-        without `softcap`, an unknown `backend` or `precision`, ``precision="tf32"`` with
+        without `softcap`, `bias_block` without `bias` or with sizes below 1, a relative
+        table of even length ``R``, `rel_q` without `rel_k` (or the reverse) or with another
+        ``Dr``, an unknown `backend` or `precision`, ``precision="tf32"`` with
         inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``.
 
     See Also
@@ -121,8 +142,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
 
     Notes
     -----
-    With scores :math:`s_{ij} = \mathrm{scale}\, q_i \cdot k_j` (then softcap, bias, ALiBi, or
-    bias, ALiBi, softcap with `softcap_bias`, and masking), the result is :math:`o_i = \sum_j p_{ij} v_j` with
+    With scores :math:`s_{ij} = \mathrm{scale}\, q_i \cdot k_j` plus the `rel_q` term (then
+    softcap, bias, `rel_bias`, ALiBi, or bias, `rel_bias`, ALiBi, softcap with `softcap_bias`,
+    and masking; docs/semantics.md gives the order), the result is :math:`o_i = \sum_j p_{ij} v_j` with
     :math:`p_{ij} = e^{s_{ij}} / \sum_{j'} e^{s_{ij'}}`. Keys are visited in tiles; each
     query keeps :math:`m` (the running max), :math:`l = \sum e^{s - m}` and the unnormalised
     :math:`O = \sum e^{s - m} v`, and on each tile with new max :math:`m'` rescales
@@ -162,6 +184,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
         kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
         softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset,
+        bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
         return_lse=return_lse, precision=precision, backend=backend, workers=workers,
     )
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")

@@ -72,10 +72,30 @@ class Problem:
     # q_offset - k_offset, clamped (_semantics.diagonal_offset): query i faces key i + diagonal
     diagonal_offset: int = 0
     softcap_bias: bool = False  # the soft cap applies after bias and ALiBi (both not None)
+    # (r, c): `bias` is the coarse batch_shape + (ceil(lq / r), ceil(lk / c)) array, or None
+    bias_block: tuple | None = None
+    rel_bias: Any = None       # batch_shape + (Rb,), acc_dtype, Rb odd, or None
+    rel_q: Any = None          # batch_shape + (lq, dr), acc_dtype, or None (with rel_k)
+    rel_k: Any = None          # batch_shape + (Rk, dr), acc_dtype, Rk odd, or None
 
     @property
     def nbatch(self) -> int:
         return math.prod(self.batch_shape)
+
+    @property
+    def rel_bias_radius(self) -> int:
+        """``rb``: score (i, j) reads ``rel_bias[rb + clip(delta, -rb, rb)]``; 0 without it."""
+        return 0 if self.rel_bias is None else (self.rel_bias.shape[-1] - 1) // 2
+
+    @property
+    def rel_k_radius(self) -> int:
+        """``rk``: score (i, j) reads ``rel_k[rk + clip(delta, -rk, rk)]``; 0 without it."""
+        return 0 if self.rel_k is None else (self.rel_k.shape[-2] - 1) // 2
+
+    @property
+    def dr(self) -> int:
+        """Width of the relative query/key vectors; 0 without them."""
+        return 0 if self.rel_k is None else self.rel_k.shape[-1]
 
     @property
     def has_window(self) -> bool:
@@ -338,6 +358,72 @@ def _check_matrix(x, name, dims):
         )
 
 
+def _check_bias_block(value):
+    """``bias_block=``: None, a positive int r (r x r blocks) or a pair (r, c) of them."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or any(isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)
+                             for n in pair):
+        raise TypeError(f"`bias_block` must be an int r or a pair (r, c) of ints, got {value!r}")
+    if min(pair) < 1:
+        raise ValueError(f"`bias_block` sizes must be >= 1, got {tuple(int(n) for n in pair)}")
+    return (int(pair[0]), int(pair[1]))
+
+
+def _float_operand(xp, x, name, min_ndim, dims):
+    """``x`` as an array of a real floating dtype with at least ``min_ndim`` dimensions, the
+    last ones named ``dims``."""
+    x = _as_array(xp, x, name)
+    _check_float(x, name)
+    if x.ndim < min_ndim:
+        raise ValueError(f"`{name}` must have at least {min_ndim} dimension"
+                         f"{'s' if min_ndim > 1 else ''} (..., {dims}), got shape "
+                         f"{tuple(x.shape)}")
+    return x
+
+
+def _check_table(x, name, axis, axis_name):
+    """A relative table (``rel_bias``, ``rel_k``) holds an odd number ``R = 2 * radius + 1`` of
+    distances on ``axis``: entry ``radius + delta`` is distance ``delta``."""
+    n = x.shape[axis]
+    if n % 2 == 0:
+        raise ValueError(
+            f"`{name}` must hold an odd number R = 2 * radius + 1 of distances along its "
+            f"{axis_name} axis (entry radius + delta is distance delta), got R = {n} in shape "
+            f"{tuple(x.shape)}"
+        )
+
+
+def _check_relative(xp, rel_bias, rel_q, rel_k, batch, lq, acc):
+    """``rel_bias`` -> S + (Rb,), ``rel_q`` -> S + (Lq, Dr), ``rel_k`` -> S + (Rk, Dr): views in
+    the accumulation dtype, converted over the span they reach (never expanded)."""
+    if rel_bias is not None:
+        rel_bias = _float_operand(xp, rel_bias, "rel_bias", 1, "R")
+        _check_table(rel_bias, "rel_bias", -1, "last")
+        rel_bias = _broadcast_to(xp, rel_bias, batch + rel_bias.shape[-1:], "rel_bias",
+                                 "S + (R,)")
+        rel_bias = astype_view(xp, rel_bias, acc)
+    if (rel_q is None) != (rel_k is None):
+        given, missing = ("rel_q", "rel_k") if rel_k is None else ("rel_k", "rel_q")
+        raise ValueError(f"`{given}` was given without `{missing}`: the relative term "
+                         f"rel_q[i] . rel_k[radius + delta] needs both")
+    if rel_q is not None:
+        rel_q = _float_operand(xp, rel_q, "rel_q", 2, "Lq, Dr")
+        rel_k = _float_operand(xp, rel_k, "rel_k", 2, "R, Dr")
+        _check_table(rel_k, "rel_k", -2, "second-to-last (R)")
+        if rel_q.shape[-1] != rel_k.shape[-1]:
+            raise ValueError(
+                f"`rel_q` and `rel_k` must share their last dimension Dr, got rel_q.shape = "
+                f"{tuple(rel_q.shape)} and rel_k.shape = {tuple(rel_k.shape)}"
+            )
+        dr = rel_k.shape[-1]
+        rel_q = _broadcast_to(xp, rel_q, batch + (lq, dr), "rel_q", "S + (Lq, Dr)")
+        rel_k = _broadcast_to(xp, rel_k, batch + rel_k.shape[-2:], "rel_k", "S + (R, Dr)")
+        rel_q, rel_k = astype_view(xp, rel_q, acc), astype_view(xp, rel_k, acc)
+    return rel_bias, rel_q, rel_k
+
+
 # --------------------------------------------------------------------------------------------
 # attention
 
@@ -345,12 +431,14 @@ def _check_matrix(x, name, dims):
 def validate_attention(
     q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
     alibi_slopes=None, softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
+    bias_block=None, rel_bias=None, rel_q=None, rel_k=None,
     return_lse=False, backend="auto", precision="highest", workers=None,
 ) -> Problem:
     """Check the arguments of :func:`cuonline.attention` (same keywords, same defaults) and
     build its :class:`Problem`."""
     xp = array_namespace(
-        q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes
+        q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
+        rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
     )
     backend = _check_backend(backend, xp)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -379,7 +467,8 @@ def validate_attention(
         )
     if xp is not np:
         _check_same_device(q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths,
-                           alibi_slopes=alibi_slopes)
+                           alibi_slopes=alibi_slopes, rel_bias=rel_bias, rel_q=rel_q,
+                           rel_k=rel_k)
     try:
         batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     except ValueError:
@@ -414,12 +503,21 @@ def validate_attention(
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
+    bias_block = _check_bias_block(bias_block)
+    bias_shape, bias_name = scores_shape, scores_name
+    if bias_block is not None:
+        if bias is None:
+            raise ValueError("`bias_block` says how `bias` repeats over blocks of scores, but "
+                             "`bias` is None; pass the coarse bias or leave bias_block=None")
+        r, c = bias_block
+        bias_shape = batch + (-(-lq // r), -(-lk // c))
+        bias_name = f"S + (ceil(Lq / {r}), ceil(Lk / {c})) (bias_block={bias_block})"
     if bias is not None:
         bias = _as_array(xp, bias, "bias")
         if not _is_float_dtype(bias.dtype):
             hint = "; pass booleans as `mask=`" if bias.dtype == bool else ""
             raise TypeError(f"`bias` must have a real floating dtype, got {bias.dtype}{hint}")
-        bias = _broadcast_to(xp, bias, scores_shape, "bias", scores_name)
+        bias = _broadcast_to(xp, bias, bias_shape, "bias", bias_name)
         bias = astype_view(xp, bias, acc)   # converts what the view reaches, not its size
     if mask is not None:
         mask = _as_array(xp, mask, "mask")
@@ -447,9 +545,17 @@ def validate_attention(
             )
         alibi_slopes = _broadcast_to(xp, alibi_slopes, batch, "alibi_slopes", "the batch shape S")
         alibi_slopes = alibi_slopes.astype(acc, order="C")
+    rel_bias, rel_q, rel_k = _check_relative(xp, rel_bias, rel_q, rel_k, batch, lq, acc)
+    # TEMPORARY (issue 12, until the kernels' feature rows land): the CUDA kernels do not read
+    # these terms yet, so refuse rather than drop them
+    if backend in _CUDA_BACKENDS and (bias_block is not None or rel_bias is not None
+                                      or rel_q is not None):
+        raise ValueError(f"backend={backend!r} does not support bias_block, rel_bias or "
+                         f"rel_q/rel_k yet; use backend='numpy'")
     # with nothing added to the content score, capping it or the whole logit is one thing:
     # one variant fewer to compile
-    softcap_bias = softcap_bias and (bias is not None or alibi_slopes is not None)
+    softcap_bias = softcap_bias and (bias is not None or alibi_slopes is not None
+                                     or rel_bias is not None)
 
     return Problem(
         xp=xp, backend=backend, batch_shape=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
@@ -460,6 +566,7 @@ def validate_attention(
         v=xp.broadcast_to(_native(xp, v), batch + (lk, dv)),
         bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
         workers=workers, diagonal_offset=diagonal, softcap_bias=softcap_bias,
+        bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
     )
 
 

@@ -12,12 +12,15 @@ import numpy as np
 
 def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=None,
                         mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
-                        softcap_bias=False, q_offset=None, k_offset=0):
+                        softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
+                        rel_bias=None, rel_q=None, rel_k=None):
     """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs.
 
     Each term is built densely from its definition, in the documented order: the content
-    score ``scale * q . k``, the soft cap (unless ``softcap_bias``), ``bias`` and ALiBi, the
-    soft cap (if ``softcap_bias``), then masking. Positions: query ``i`` at ``q_offset + i``
+    score ``scale * q . k + rel_q[i] . rel_k[delta]``, the soft cap (unless ``softcap_bias``),
+    ``bias`` (expanded from its blocks with ``bias_block``), ``rel_bias[delta]`` and ALiBi, the
+    soft cap (if ``softcap_bias``), then masking. A relative table of length ``R`` holds
+    distances ``-(R - 1) / 2 .. (R - 1) / 2``; farther distances read its end entries. Positions: query ``i`` at ``q_offset + i``
     (default ``Lk - Lq``), key ``j`` at ``k_offset + j``; ``delta`` = key position - query
     position, exact for offsets of any size (Python ints beyond int64 included).
     """
@@ -38,10 +41,21 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=
 
     s = scale * np.einsum("...id,...jd->...ij", q, k)
     s = np.broadcast_to(s, batch + (lq, lk)).copy()
+    if rel_q is not None:
+        table = _f64(rel_k)                                   # (..., R, Dr)
+        keys = table[..., _table_index(delta, table.shape[-2]), :]   # (..., Lq, Lk, Dr)
+        s = s + np.einsum("...id,...ijd->...ij", _f64(rel_q), keys)
     if softcap is not None and not softcap_bias:
         s = softcap * np.tanh(s / softcap)
     if bias is not None:
-        s = s + _f64(bias)
+        dense = _f64(bias)
+        if bias_block is not None:
+            r, c = (bias_block, bias_block) if np.ndim(bias_block) == 0 else bias_block
+            dense = dense[..., np.arange(lq) // r, :][..., np.arange(lk) // c]
+        s = s + dense
+    if rel_bias is not None:
+        table = _f64(rel_bias)
+        s = s + table[..., _table_index(delta, table.shape[-1])]
     if alibi_slopes is not None:
         slopes = np.broadcast_to(_f64(alibi_slopes), batch)[..., None, None]
         s = s - slopes * np.abs(delta).astype(np.float64)
@@ -82,6 +96,13 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=
         lse[idx] = m + np.log(total)
         out[idx] = (w / total) @ vv[idx[:-1]][row_visible]
     return out, lse
+
+
+def _table_index(delta, n):
+    """Entries ``radius + clip(delta, -radius, radius)`` of a table of ``n = 2 radius + 1``."""
+    radius = (n - 1) // 2
+    return np.array([[radius + max(-radius, min(radius, int(d))) for d in row] for row in delta],
+                    dtype=np.int64)
 
 
 def _np(x):

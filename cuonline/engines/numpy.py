@@ -294,15 +294,16 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     k, v = p.k[b], p.v[b]
     cap = None if p.softcap is None else acc_t.type(p.softcap)
     slope = None if p.alibi_slopes is None else acc_t.type(p.alibi_slopes[b])
+    terms = _ScoreTerms(p, b, i0, i1)
 
     def scores(js, je, band=True):
         """(n, je - js) scores of the tile, -inf where a row may not see a key (but for the
         window band when ``band`` is false: the kernel takes that from its ``lo`` and ``hi``)."""
         s = qb @ _blas_ready(k[js:je], acc_t).T
+        terms.add_relative_logits(s, js, je)       # + rel_q . rel_k[delta]
         if cap is not None and not p.softcap_bias:
             _soft_cap(s, cap)                      # the content score only
-        if p.bias is not None:
-            s += p.bias[b][i0:i1, js:je]
+        terms.add_biases(s, js, je)                # + bias (or block bias) + rel_bias[delta]
         cols = np.arange(js, je)                   # key indices of this tile
         if slope is not None:                      # ALiBi: -slope * |i + diag - j|
             with np.errstate(over="ignore"):   # a term beyond the range: -inf
@@ -355,6 +356,68 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         o[np.isnan(l)] = np.nan
         lse = m + np.log(l)
     return o, lse.astype(acc_t, copy=False)
+
+
+class _ScoreTerms:
+    """The additive score terms of one task's queries ``[i0, i1)`` of batch element ``b``, added
+    to a tile of scores in place, each read from its small array and never expanded.
+
+    The relative terms depend on the distance ``delta = j - (i + diag)`` only. For a tile of
+    ``n`` queries and ``w`` keys the distances form one band of ``n + w - 1`` values, ``delta =
+    dmin + t`` with ``dmin = js - (i0 + diag + n - 1)``, and tile place ``(i, j)`` is band entry
+    ``t = (j - js) - (i - i0) + n - 1``: a skewed (Toeplitz) view of the band, with strides
+    ``(-1, 1)`` over a vector (``rel_bias``) or ``(nb - 1, 1)`` over the ``(n, nb)`` products
+    ``rel_q @ band.T`` (``rel_q``/``rel_k``), so neither term is gathered per score.
+    """
+
+    def __init__(self, p, b, i0, i1):
+        acc = p.acc_dtype
+        self.n = i1 - i0
+        self.first_diag = i0 + p.diagonal_offset           # key facing query i0
+        self.block = p.bias_block
+        self.bias = None
+        if p.bias is not None and self.block is None:
+            self.bias = p.bias[b][i0:i1]                  # (n, Lk), a view
+        elif p.bias is not None:
+            # the coarse rows of these queries, (n, ceil(Lk / c)): small, gathered once
+            self.bias = p.bias[b][np.arange(i0, i1) // self.block[0]]
+        self.rel_bias = None if p.rel_bias is None else p.rel_bias[b]
+        self.rel_q = None if p.rel_q is None else _blas_ready(p.rel_q[b][i0:i1], acc)
+        self.rel_k = None if p.rel_k is None else p.rel_k[b]
+        self.rb, self.rk = p.rel_bias_radius, p.rel_k_radius
+        self.acc = acc
+
+    def _band(self, js, je, radius):
+        """Table entries ``radius + clip(delta, -radius, radius)`` of the tile's distances."""
+        dmin = js - (self.first_diag + self.n - 1)
+        delta = np.arange(dmin, dmin + self.n + (je - js) - 1, dtype=np.int64)
+        return radius + np.clip(delta, -radius, radius)
+
+    def _skewed(self, flat, row_step, w):
+        """The (n, w) view ``v[i, j] = flat[i * row_step + j + n - 1]`` of a 1-d ``flat``."""
+        item = flat.itemsize
+        return np.lib.stride_tricks.as_strided(flat[self.n - 1:], shape=(self.n, w),
+                                               strides=(row_step * item, item),
+                                               writeable=False)
+
+    def add_relative_logits(self, s, js, je):
+        """``s += rel_q[i] . rel_k[rk + clip(delta)]`` (a no-op without the term)."""
+        if self.rel_q is None:
+            return
+        band = _blas_ready(self.rel_k[self._band(js, je, self.rk)], self.acc)   # (nb, Dr)
+        products = np.ascontiguousarray(self.rel_q @ band.T)                   # (n, nb)
+        s += self._skewed(products.reshape(-1), products.shape[1] - 1, je - js)
+
+    def add_biases(self, s, js, je):
+        """``s += bias[i, j]`` (or ``bias[i // r, j // c]``) ``+ rel_bias[rb + clip(delta)]``."""
+        if self.bias is not None:
+            if self.block is None:
+                s += self.bias[:, js:je]
+            else:
+                s += np.take(self.bias, np.arange(js, je) // self.block[1], axis=1)
+        if self.rel_bias is not None:
+            band = np.ascontiguousarray(self.rel_bias[self._band(js, je, self.rb)])
+            s += self._skewed(band, -1, je - js)
 
 
 def _soft_cap(s, cap):
