@@ -54,3 +54,18 @@ def test_gpu_report_table():
     for d in {d for _, d, _, _ in gpu_bench.cases(quick=False)}:
         builtin = heuristics.MMA_TILES[("sm_90", "float16", d)]
         assert heuristics.MmaTiles(*gpu_bench.OTHER_M_TILES[d]).m_tiles != builtin.m_tiles
+
+
+def test_genomics_benchmark_prints_native_beside_dense(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_genomics.py"), "--quick"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    rows = [line.split("|") for line in result.stdout.splitlines()
+            if line.startswith("| enformer") or line.startswith("| alphagenome")]
+    assert len(rows) == 2
+    for cells in rows:
+        native_ms, dense_ms, build_ms = float(cells[3]), float(cells[4]), float(cells[6])
+        assert native_ms > 0 and dense_ms > 0 and 0 < build_ms < float("inf")
+        assert float(cells[11]) < 1e-4                   # both compute the same logits
