@@ -243,3 +243,16 @@ def test_memory_at_genome_scale(term):
             row = dict(bias=options["bias"][:1, r // 16:r // 16 + 1], bias_block=16)
         ref, _ = reference_attention(q[:1, r:r + 1], k[:1], v[:1], q_offset=s - nq + r, **row)
         np.testing.assert_allclose(out[:1, r:r + 1], ref, atol=2e-4)
+
+
+def test_block_bias_on_whole_and_partial_column_blocks(monkeypatch):
+    # tiles of 32 keys: blocks of 16 keys fill the first three (a broadcast add), the tail
+    # tile of 4 keys and blocks of 6 keys do not (a gather)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)
+    monkeypatch.setattr(numpy_engine, "MAX_KEY_TILE", 32)
+    rng, q, k, v = case(40, lq=30, lk=100)
+    for block in ((4, 16), (3, 6)):
+        coarse = rng.standard_normal((3, -(-30 // block[0]), -(-100 // block[1])))
+        out = cuonline.attention(q, k, v, bias=coarse, bias_block=block)
+        ref, _ = reference_attention(q, k, v, bias=coarse, bias_block=block)
+        np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)

@@ -414,17 +414,29 @@ class _ScoreTerms:
         if self.rel_q is None:
             return
         w = je - js
+        # the band of the whole block, read once: a slice of the table where no distance is
+        # clamped (a table of 2 L - 1 rows), else gathered; a group's band is a slice of it
+        index = self._band(0, self.n, js, je, self.rk)
+        if index[-1] - index[0] == index.size - 1:
+            band = self.rel_k[index[0]:index[-1] + 1]
+        else:
+            band = self.rel_k[index]
+        band_t = _blas_ready(band, self.acc).T                               # (Dr, n + w - 1)
         for r0 in range(0, self.n, REL_ROWS):
             r1 = min(r0 + REL_ROWS, self.n)
-            band = _blas_ready(self.rel_k[self._band(r0, r1, js, je, self.rk)], self.acc)
-            products = np.ascontiguousarray(self.rel_q[r0:r1] @ band.T)   # (g, g + w - 1)
-            s[r0:r1] += self._skewed(products.reshape(-1), r1 - r0, products.shape[1] - 1, w)
+            g = r1 - r0
+            products = self.rel_q[r0:r1] @ band_t[:, self.n - r1:self.n - r1 + g + w - 1]
+            s[r0:r1] += self._skewed(products.reshape(-1), g, products.shape[1] - 1, w)
 
     def add_biases(self, s, js, je):
         """``s += bias[i, j]`` (or ``bias[i // r, j // c]``) ``+ rel_bias[rb + clip(delta)]``."""
         if self.bias is not None:
             if self.block is None:
                 s += self.bias[:, js:je]
+            elif js % self.block[1] == 0 and (je - js) % self.block[1] == 0:
+                # whole column blocks (every tile but a tail): a broadcast add, no gather
+                c = self.block[1]
+                s.reshape(self.n, -1, c)[...] += self.bias[:, js // c:je // c, None]
             else:
                 s += np.take(self.bias, np.arange(js, je) // self.block[1], axis=1)
         if self.rel_bias is not None:
