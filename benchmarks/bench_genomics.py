@@ -25,23 +25,12 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 import tracemalloc
 
 import numpy as np
+from bench_cpu import best_seconds
 
 import cuonline
-
-
-def best_seconds(fn, repeat):
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def peak_beyond(fn):

@@ -22,6 +22,18 @@ It reports TFLOP/s (4 * N^2 * D per head, halved when causal), the ratio to the 
 backend, and the max error of each engine against a float64 cuonline reference on the first
 rows (computed with the float64 kernel on a slice, cheap at every N). Results go to
 ``OUT/gpu_bench.json`` and ``OUT/gpu_bench.md``.
+
+Two more sections, each its own run:
+
+* ``--section genomics`` (``OUT/gpu_genomics.md``): the genomics score terms beside their dense
+  ``(H, L, L)`` bias on the same logits, as benchmarks/bench_genomics.py on the CPU: an
+  Enformer-style layer (``rel_q``/``rel_k``) at L = 1536 and 4096 and an AlphaGenome-style one
+  (8 query heads on 1 kv head, ``bias_block=16``, ``softcap_bias``) at L = 4096, float16 and
+  float32, with the bytes each holds;
+* ``--section backward`` (``OUT/gpu_backward.md``): ``cuonline.attention_backward`` beside
+  torch's flash and efficient SDPA backward (autograd, 4-D inputs, the node printed) and, in
+  float64, the explicit backward formulas in naive CuPy (scores materialised); TFLOP/s count
+  the backward as 2.5x the forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -219,17 +231,162 @@ def markdown(rows):
     return "\n".join(lines) + "\n"
 
 
+def genomics_cases(quick):
+    """(layer, L, dtype): the rows of ``--section genomics``."""
+    lengths = [1536] if quick else [1536, 4096]
+    for dtype in ("float16", "float32"):
+        for n in lengths:
+            yield "enformer", n, dtype
+        yield "alphagenome", 4096, dtype
+
+
+def genomics_arrays(cupy, layer, n, dtype, rng):
+    """``(q, k, v, native options, dense options, native bytes)`` of one layer, batch 1."""
+    heads, block = 8, 16
+    if layer == "enformer":
+        dk, dv = 64, 192
+        q, k = (rng.standard_normal((1, heads, n, dk), dtype=cupy.float32) for _ in range(2))
+        v = rng.standard_normal((1, heads, n, dv), dtype=cupy.float32)
+        rel_q = rng.standard_normal((1, heads, n, dk), dtype=cupy.float32) * 0.125
+        rel_k = rng.standard_normal((heads, 2 * n - 1, dk), dtype=cupy.float32)
+        delta = cupy.arange(n)[None, :] - cupy.arange(n)[:, None]
+        dense = cupy.stack([rel_q[0, h] @ rel_k[h].T for h in range(heads)])     # (H, L, 2L-1)
+        dense = cupy.take_along_axis(dense, cupy.broadcast_to((n - 1) + delta, (heads, n, n)),
+                                     axis=-1)[None]
+        native = dict(rel_q=rel_q, rel_k=rel_k)
+        common = {}
+    else:
+        dk, dv = 128, 192
+        q = rng.standard_normal((1, heads, n, dk), dtype=cupy.float32)
+        k, v = (rng.standard_normal((1, 1, n, e), dtype=cupy.float32) for e in (dk, dv))
+        pair = rng.standard_normal((1, heads, n // block, n // block), dtype=cupy.float32)
+        dense = cupy.repeat(cupy.repeat(pair, block, axis=-2), block, axis=-1)
+        native = dict(bias=pair, bias_block=block)
+        common = dict(softcap=5.0, softcap_bias=True)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    native_bytes = sum(x.nbytes for x in native.values() if hasattr(x, "nbytes"))
+    return q, k, v, dict(common, **native), dict(common, bias=dense), native_bytes
+
+
+def run_genomics(args, out):
+    import cupy
+
+    import cuonline
+
+    rng = cupy.random.default_rng(0)
+    lines = ["| layer | L | dtype | native ms | dense ms | dense / native | term MiB | "
+             "dense MiB | max diff |", "|" + "---|" * 9]
+    for layer, n, dtype in genomics_cases(args.quick):
+        cells = [layer, str(n), dtype]
+        try:
+            q, k, v, native, dense, native_bytes = genomics_arrays(cupy, layer, n, dtype, rng)
+            t_native = time_gpu(cupy, lambda: cuonline.attention(q, k, v, **native), args.repeat)
+            t_dense = time_gpu(cupy, lambda: cuonline.attention(q, k, v, **dense), args.repeat)
+            diff = float(cupy.abs(cuonline.attention(q, k, v, **native).astype(cupy.float32)
+                                  - cuonline.attention(q, k, v, **dense)).max())
+            cells += [f"{t_native:.2f}", f"{t_dense:.2f}", f"{t_dense / t_native:.2f}",
+                      f"{native_bytes / 2**20:.1f}", f"{dense['bias'].nbytes / 2**20:.1f}",
+                      f"{diff:.1e}"]
+        except Exception as exc:  # noqa: BLE001 - a failing case is a result
+            cells += [f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"] + [""] * 5
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+        (out / "gpu_genomics.md").write_text("\n".join(lines) + "\n")
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def naive_backward(cupy, q, k, v, dout):
+    """The explicit backward formulas with the scores materialised (no causal), same dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ k.swapaxes(-1, -2)) * scale
+    p = cupy.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ v
+    dv = p.swapaxes(-1, -2) @ dout
+    dp = dout @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dout * o).sum(axis=-1, keepdims=True))
+    return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, dv
+
+
+def backward_cases(quick):
+    """(dtype, D, N, causal) of ``--section backward``."""
+    for dtype in ("float16", "float32", "float64"):     # CuPy has no bfloat16 arrays
+        for d in (64, 128):
+            for n in ([4096] if quick else [1024, 4096]):
+                yield dtype, d, n, False
+
+
+def run_backward(args, out):
+    import cupy
+
+    import cuonline
+
+    torch_fns = torch_backends()
+    lines = ["| dtype | D | N | engine | TFLOP/s | note |", "|" + "---|" * 6]
+    rng = cupy.random.default_rng(0)
+    for dtype, d, n, causal in backward_cases(args.quick):
+        bh = max(1, TOKENS // n)
+        fl = 2.5 * flops(n, d, bh, causal)
+        q, k, v, dout = (rng.standard_normal((bh, n, d), dtype=cupy.float64).astype(dtype)
+                         for _ in range(4))
+        o, lse = cuonline.attention(q, k, v, causal=causal, return_lse=True)
+        engines = {"cuonline": (lambda: cuonline.attention_backward(
+            dout, q, k, v, o, lse, causal=causal), "deterministic")}
+        if dtype == "float64":
+            engines["naive-cupy"] = (lambda: naive_backward(cupy, q, k, v, dout), "explicit")
+        if torch_fns:
+            import torch
+            tdt = getattr(torch, dtype)
+            tq, tk, tv, tdo = (torch.randn((1, bh, n, d), device="cuda", dtype=tdt)
+                               for _ in range(4))
+            for name in ("torch-flash", "torch-efficient"):
+                fn = torch_fns.get(name)
+                if fn is None:
+                    continue
+                leaves = [x.detach().requires_grad_(True) for x in (tq, tk, tv)]
+                try:
+                    result = fn(*leaves, causal)
+                except Exception as exc:  # noqa: BLE001
+                    lines.append(f"| {dtype} | {d} | {n} | {name} | - | refused: "
+                                 f"{type(exc).__name__} |")
+                    continue
+
+                def step(result=result, leaves=leaves):
+                    for x in leaves:
+                        x.grad = None
+                    result.backward(tdo, retain_graph=True)
+
+                engines[name] = (step, type(result.grad_fn).__name__)
+        for name, (fn, note) in engines.items():
+            try:
+                ms = time_gpu(cupy, fn, args.repeat)
+                lines.append(f"| {dtype} | {d} | {n} | {name} | {fl / ms / 1e9:.1f} | {note} |")
+            except Exception as exc:  # noqa: BLE001 - a failing case is a result
+                lines.append(f"| {dtype} | {d} | {n} | {name} | - | error: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]} |")
+            print(lines[-1], flush=True)
+            (out / "gpu_backward.md").write_text("\n".join(lines) + "\n")
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="N in {1024, 4096} only")
+    parser.add_argument("--section", choices=("forward", "genomics", "backward"),
+                        default="forward")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    rows = run(args, out)
-    print(save(out, rows))
+    if args.section == "genomics":
+        run_genomics(args, out)
+    elif args.section == "backward":
+        run_backward(args, out)
+    else:
+        rows = run(args, out)
+        print(save(out, rows))
     print(f"benchmark time {time.time() - start:.0f} s", file=sys.stderr)
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check for a lent GPU (H200, CUDA 13 driver, cupy-cuda13x, torch; no network).
-# Runs the GPU tests, then benchmarks/gpu_bench.py, in under 8 minutes; writes gpu.txt, the
-# test log gpu_tests.txt, gpu_bench.json and gpu_bench.md into $OUT if set, else ./bench-out.
+# Runs the GPU tests, then benchmarks/gpu_bench.py (forward, genomics terms, backward), in
+# under 9 minutes; writes gpu.txt, the test log gpu_tests.txt, gpu_bench.json, gpu_bench.md,
+# gpu_genomics.md and gpu_backward.md into $OUT if set, else ./bench-out.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, no install needed
 #   GPU_BENCH_ARGS=--quick bash benchmarks/gpu_check.sh
@@ -32,6 +33,11 @@ for entry in test_tensor_core:30 test_semantics:30 test_cuda_engine:60 test_mma_
 done
 rm -f "$out/current.txt"
 
-# 2. the benchmark, at most 3 minutes; gpu_bench.md/json are rewritten after every case
-timeout 170 python benchmarks/gpu_bench.py --out "$out" ${GPU_BENCH_ARGS:-} 2>&1 | tail -n 60
+# 2. the benchmark, at most 130 s; gpu_bench.md/json are rewritten after every case
+timeout 130 python benchmarks/gpu_bench.py --out "$out" ${GPU_BENCH_ARGS:-} 2>&1 | tail -n 60
 cat "$out/gpu_bench.md"
+# 3. the genomics terms beside their dense bias, and the backward, at most 40 s each
+#    (gpu_genomics.md, gpu_backward.md: 6 files in $OUT in all)
+timeout 40 python benchmarks/gpu_bench.py --out "$out" --section genomics --repeat 3 2>&1 | tail -n 12
+timeout 40 python benchmarks/gpu_bench.py --out "$out" --section backward --repeat 3 --quick \
+  2>&1 | tail -n 30

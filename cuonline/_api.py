@@ -5,13 +5,18 @@ from __future__ import annotations
 import importlib
 
 from . import _validate
+from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
 from .engines import merge as _merge
 from .engines import softmax as _softmax
 
-__all__ = ["attention", "merge", "softmax", "log_softmax", "logsumexp"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "softmax",
+           "log_softmax", "logsumexp"]
 
-# backend name -> module under cuonline.engines implementing ``attention(problem)``
+# backend name -> module under cuonline.engines implementing ``attention(problem)``, and the
+# one implementing ``attention_backward(backward_problem)``
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
+_BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
+                     "emulate": "cuda_backward"}
 #: backends that run the softmax family on cuonline's CUDA kernels (cuonline.engines.cuda_softmax)
 _CUDA_BACKENDS = ("cupy", "emulate")
 
@@ -104,6 +109,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
         ``"auto"`` picks the engine of the array library of the inputs: NumPy arrays run on
         the NumPy engine, CuPy arrays on the CUDA engine. ``"emulate"`` runs the CUDA kernels
         on the CPU with NumPy arrays (needs a C++20 compiler; meant for testing).
+        Dask arrays (any argument) give Dask arrays, lazily: one task per pair of a query
+        chunk and a key chunk that can see each other, on its chunks' engine, merged by a
+        fixed tree (docs/scale.md; needs ``cuonline[dask]``).
     workers : int, optional
         Threads of the NumPy engine, as in ``scipy.fft``: None (default) uses every core this
         process may run on (its CPU affinity), a positive int that many threads, a negative
@@ -180,6 +188,8 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     >>> bool(np.allclose(cuonline.merge(a, b)[0], out, atol=1e-5))
     True
     """
+    if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
+        return _dask.attention(attention, **locals())
     problem = _validate.validate_attention(
         q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
         kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
@@ -190,6 +200,172 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
     out, lse = engine.attention(problem)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
+                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
+                       softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
+                       rel_bias=None, rel_q=None, rel_k=None, precision="highest",
+                       backend="auto", workers=None):
+    r"""Gradients of :func:`attention` for an output gradient `dout`: the backward pass.
+
+    Given ``out, lse = attention(q, k, v, **options, return_lse=True)`` and the gradient
+    `dout` of a scalar loss with respect to ``out``, returns the loss's gradients with respect
+    to `q`, `k`, `v` and the differentiable score terms (`bias`, `rel_bias`, `rel_q`,
+    `rel_k`). Deterministic: two calls give bitwise-identical gradients, whatever `workers`.
+
+    Parameters
+    ----------
+    dout : array, broadcastable to S + (Lq, Dv)
+        Gradient of the loss with respect to ``out``, in the dtype of `q`.
+    q, k, v : arrays
+        The inputs of the forward call, as :func:`attention` takes them.
+    out : array, shape S + (Lq, Dv)
+        The output of the forward call.
+    lse : array, shape S + (Lq,)
+        The log-sum-exp the forward call returned with ``return_lse=True`` (float64 for float64
+        inputs, float32 otherwise).
+    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, \
+q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, precision, backend, workers
+        The options of the forward call, as :func:`attention` takes them (pass the same).
+        `mask`, `kv_lengths`, the positions, `alibi_slopes` and `softcap` are constants: they
+        receive no gradient. ``"cupy"`` and ``"emulate"`` run ``cuonline.engines.cuda_backward``
+        where that engine is installed, else this function's NumPy engine on host copies of the
+        arrays (the gradients come back in the inputs' library).
+
+    Returns
+    -------
+    Gradients
+        A frozen dataclass: ``dq``, ``dk``, ``dv`` of the shapes of `q`, `k`, `v` as passed and
+        the dtype of `q`; ``dbias``, ``drel_bias``, ``drel_q``, ``drel_k`` of the shape and dtype
+        of their input as passed, None for a term not given. An input broadcast over some
+        dimensions (a bias shared by every head, `k` and `v` shared by a group of query heads)
+        gets the sum of the gradients over them, added in C order of the broadcast indices.
+
+    Raises
+    ------
+    TypeError
+        As :func:`attention`; also `dout` or `out` of a dtype other than that of `q`, or `lse`
+        of a dtype other than attention's (float64 for float64 inputs, else float32).
+    ValueError
+        As :func:`attention`; also `out` or `lse` of another shape than attention returns, or a
+        `dout` that does not broadcast to it.
+
+    See Also
+    --------
+    attention_vjp : the forward call and a function that maps `dout` to the gradients.
+
+    Notes
+    -----
+    With the logits :math:`s` of the forward call, :math:`P = e^{s - \mathrm{lse}}` is
+    recomputed tile by tile and, with :math:`\Delta_i = \sum_d dO_{id} O_{id}` (which equals
+    :math:`\sum_j P_{ij} dP_{ij}`) [1]_,
+
+    .. math::
+
+        dV = P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
+        dQ = \mathrm{scale}\, dS\, K, \quad dK = \mathrm{scale}\, dS^\top Q,
+
+    where :math:`dS` passes through the soft cap's derivative :math:`1 - \tanh^2` for the
+    terms under the cap. The gradient of `bias` is :math:`dS` (summed over each block with
+    `bias_block`), of `rel_bias` the sum of :math:`dS` along each clamped distance, of the
+    relative logits :math:`dS` times the other factor. A query that sees no key gets zero
+    gradients; keys at or past `kv_lengths` are never read and get zero gradients; invisible
+    places contribute exactly zero, so NaN stays in the rows and keys it belongs to. Memory is
+    the gradients plus a few tiles: no ``Lq x Lk`` array.
+
+    References
+    ----------
+    .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+       Partitioning", arXiv:2307.08691, 2023.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 50, 16))            # (batch, heads, Lq, D)
+    >>> k = rng.standard_normal((2, 1, 60, 16))            # shared by the 4 heads
+    >>> v = rng.standard_normal((2, 1, 60, 8))
+    >>> bias = rng.standard_normal((50, 60))               # shared by every batch and head
+    >>> out, lse = cuonline.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+    >>> g = cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, bias=bias,
+    ...                                 causal=True)
+    >>> g.dq.shape, g.dk.shape, g.dbias.shape
+    ((2, 4, 50, 16), (2, 1, 60, 16), (50, 60))
+
+    The gradient of ``sum(out)`` with respect to one entry of `q`, against a finite
+    difference:
+
+    >>> h = 1e-6
+    >>> qh = q.copy(); qh[0, 0, 7, 3] += h
+    >>> fd = (cuonline.attention(qh, k, v, bias=bias, causal=True).sum() - out.sum()) / h
+    >>> bool(abs(fd - g.dq[0, 0, 7, 3]) < 1e-4)
+    True
+    """
+    if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
+        return _dask.attention_backward(attention_backward, **locals())
+    bp = _validate.validate_attention_backward(
+        dout, q, k, v, out, lse, scale=scale, causal=causal, window=window, bias=bias,
+        mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
+        softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset, bias_block=bias_block,
+        rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k, precision=precision, backend=backend,
+        workers=workers,
+    )
+    engine = importlib.import_module(f"cuonline.engines.{_BACKWARD_ENGINES[bp.forward.backend]}")
+    return engine.attention_backward(bp)
+
+
+def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
+                  kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
+                  q_offset=None, k_offset=0, bias_block=None, rel_bias=None, rel_q=None,
+                  rel_k=None, precision="highest", backend="auto", workers=None):
+    r""":func:`attention` and its vector-Jacobian product: ``out, vjp = attention_vjp(...)``.
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, \
+softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, precision, backend, \
+workers
+        As :func:`attention`.
+
+    Returns
+    -------
+    out : array, shape S + (Lq, Dv)
+        ``attention(q, k, v, **options)``.
+    vjp : callable
+        ``vjp(dout) -> Gradients``: :func:`attention_backward` of these inputs and options
+        with the forward's ``out`` and ``lse``, for any number of output gradients.
+
+    Examples
+    --------
+    Saliency of a sequence score: the gradient of the score of one position with respect to
+    the (one-hot) input of an attention layer whose queries, keys and values are projections
+    of it.
+
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(3)
+    >>> x = np.eye(4)[rng.integers(0, 4, size=40)]         # one-hot DNA, (L, 4)
+    >>> wq, wk, wv = (rng.standard_normal((4, 8)) for _ in range(3))
+    >>> out, vjp = cuonline.attention_vjp(x @ wq, x @ wk, x @ wv)
+    >>> dout = np.zeros_like(out); dout[20] = 1.0          # score = sum(out[20])
+    >>> g = vjp(dout)
+    >>> saliency = g.dq @ wq.T + g.dk @ wk.T + g.dv @ wv.T  # d score / d x, (L, 4)
+    >>> attribution = (saliency * x).sum(axis=1)           # gradient x input, per position
+    >>> attribution.shape
+    (40,)
+    """
+    options = dict(scale=scale, causal=causal, window=window, bias=bias, mask=mask,
+                   kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
+                   softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset,
+                   bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
+                   precision=precision, backend=backend, workers=workers)
+    out, lse = attention(q, k, v, return_lse=True, **options)
+
+    def vjp(dout):
+        """:class:`cuonline.Gradients` of the forward call for the output gradient `dout`."""
+        return attention_backward(dout, q, k, v, out, lse, **options)
+
+    return out, vjp
 
 
 def merge(*states):
@@ -242,6 +418,8 @@ def merge(*states):
     >>> bool(np.allclose(out, cuonline.attention(q, k, v)))
     True
     """
+    if _dask.is_dask_merge(states):    # Dask arrays: a lazy blockwise merge
+        return _dask.merge(*states)
     xp, outs, lses = _validate.validate_merge(states)
     return _merge.merge_states(xp, outs, lses)
 

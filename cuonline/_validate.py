@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _semantics
 from .kernels import heuristics as _heuristics
+from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
@@ -546,12 +547,8 @@ def validate_attention(
         alibi_slopes = _broadcast_to(xp, alibi_slopes, batch, "alibi_slopes", "the batch shape S")
         alibi_slopes = alibi_slopes.astype(acc, order="C")
     rel_bias, rel_q, rel_k = _check_relative(xp, rel_bias, rel_q, rel_k, batch, lq, acc)
-    # TEMPORARY (issue 12, until the kernels' feature rows land): the CUDA kernels do not read
-    # these terms yet, so refuse rather than drop them
-    if backend in _CUDA_BACKENDS and (bias_block is not None or rel_bias is not None
-                                      or rel_q is not None):
-        raise ValueError(f"backend={backend!r} does not support bias_block, rel_bias or "
-                         f"rel_q/rel_k yet; use backend='numpy'")
+    if backend in _CUDA_BACKENDS:
+        _check_cuda_relative(backend, rel_bias, rel_k)
     # with nothing added to the content score, capping it or the whole logit is one thing:
     # one variant fewer to compile
     softcap_bias = softcap_bias and (bias is not None or alibi_slopes is not None
@@ -591,6 +588,25 @@ def _check_cuda_limits(backend, batch, lq, lk, d, dv):
             f"Lq = {lq} may need {blocks} blocks, above CUDA's grid limit "
             f"{_heuristics.MAX_GRID_X}; split the batch into chunks"
         )
+
+
+def _check_cuda_relative(backend, rel_bias, rel_k):
+    """The relative terms the CUDA kernels take: Dr up to MAX_HEAD_DIM (it is staged like a
+    head), tables whose radius fits the kernels' 32-bit distance arithmetic."""
+    if rel_k is not None and rel_k.shape[-1] > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(
+            f"backend={backend!r} supports `rel_q`/`rel_k` widths Dr up to {_CUDA_MAX_HEAD_DIM}, "
+            f"got Dr = {rel_k.shape[-1]}; use backend='numpy' or split Dr"
+        )
+    for name, table in (("rel_bias", rel_bias), ("rel_k", rel_k)):
+        axis = -1 if name == "rel_bias" else -2
+        if table is not None and (table.shape[axis] - 1) // 2 > _CUDA_MAX_REL_RADIUS:
+            raise ValueError(
+                f"backend={backend!r} takes relative tables of at most "
+                f"{2 * _CUDA_MAX_REL_RADIUS + 1} distances, got `{name}` with R = "
+                f"{table.shape[axis]}; distances beyond +-(Lq + Lk) are never read, so pass "
+                f"the middle 2 * (Lq + Lk) + 1 entries"
+            )
 
 
 def _check_same_device(**named):
@@ -717,3 +733,88 @@ def validate_merge(states):
         _check_same_device(**{f"states[{n}][{i}]": x for n, (o, s) in enumerate(zip(outs, lses))
                               for i, x in enumerate((o, s))})
     return xp, [_native(xp, o) for o in outs], [_native(xp, s) for s in lses]
+
+
+# --------------------------------------------------------------------------------------------
+# attention_backward (issue 13)
+
+
+@dataclass(frozen=True)
+class BackwardProblem:
+    """One :func:`cuonline.attention_backward` call, checked and normalised.
+
+    ``forward`` is the attention call's :class:`Problem`; ``dout`` (a view broadcast to
+    ``batch_shape + (lq, dv)``, the dtype of ``q``), ``out`` and ``lse`` (as attention returned
+    them) are in native byte order. ``targets`` maps each input that receives a gradient
+    (``"q"``, ``"k"``, ``"v"``, and ``"bias"``, ``"rel_bias"``, ``"rel_q"``, ``"rel_k"`` when
+    given) to its :class:`cuonline._gradients.Target`: the shape the user passed and the
+    gradient's dtype, which say how a broadcast gradient is summed.
+    """
+
+    forward: Problem
+    dout: Any                  # batch_shape + (lq, dv), dtype of q
+    out: Any                   # batch_shape + (lq, dv), dtype of q
+    lse: Any                   # batch_shape + (lq,), acc_dtype
+    targets: dict
+
+    def reduce(self, name, grad):
+        """The gradient of input ``name`` as the user gets it, from ``grad``, its gradient per
+        batch element (``batch_shape`` + the input's trailing dimensions, any dtype): summed
+        over the dimensions the input was broadcast along
+        (:func:`cuonline._gradients.sum_to_shape`: a fixed order), in the gradient's dtype."""
+        from ._gradients import sum_to_shape
+
+        t = self.targets[name]
+        return sum_to_shape(self.forward.xp, grad, t.shape, t.tail).astype(t.dtype, copy=False)
+
+
+def validate_attention_backward(dout, q, k, v, out, lse, **options) -> BackwardProblem:
+    """Check the arguments of :func:`cuonline.attention_backward` and build its
+    :class:`BackwardProblem`.
+
+    ``options`` are the keywords of :func:`validate_attention` but ``return_lse``; they are
+    checked there, by the forward's own rules. ``out`` and ``lse`` must be what ``attention(q,
+    k, v, **options, return_lse=True)`` returned: shapes ``S + (Lq, Dv)`` and ``S + (Lq,)``,
+    dtypes that of `q` and its accumulation dtype (float64 for float64 inputs, else
+    float32). ``dout`` has the dtype of `q` and broadcasts to ``S + (Lq, Dv)``.
+    """
+    from ._gradients import Target
+
+    if "return_lse" in options:
+        raise TypeError("`return_lse` is not an option of attention_backward: it always reads "
+                        "the `lse` it is given")
+    xp = array_namespace(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    p = validate_attention(q, k, v, return_lse=True, **options)
+    dout, out, lse = (_as_array(xp, x, n) for x, n in ((dout, "dout"), (out, "out"),
+                                                        (lse, "lse")))
+    if xp is not np:
+        _check_same_device(dout=dout, out=out, lse=lse)
+    out_shape = p.batch_shape + (p.lq, p.dv)
+    for x, name in ((dout, "dout"), (out, "out"), (lse, "lse")):
+        _check_float(x, name)
+    if tuple(out.shape) != out_shape:
+        raise ValueError(f"`out` must have the shape attention returned, S + (Lq, Dv) = "
+                         f"{out_shape}, got {tuple(out.shape)}")
+    if tuple(lse.shape) != out_shape[:-1]:
+        raise ValueError(f"`lse` must have the shape attention returned, S + (Lq,) = "
+                         f"{out_shape[:-1]}, got {tuple(lse.shape)}")
+    dout = _broadcast_to(xp, dout, out_shape, "dout", "S + (Lq, Dv)")
+    for x, name in ((dout, "dout"), (out, "out")):
+        if _native_dtype(x.dtype) != p.dtype:
+            raise TypeError(f"`{name}` must have the dtype of `q` ({p.dtype.name}), got "
+                            f"{_native_dtype(x.dtype).name}")
+    if _native_dtype(lse.dtype) != p.acc_dtype:
+        raise TypeError(f"`lse` must have the dtype attention returns for {p.dtype.name} "
+                        f"inputs, {p.acc_dtype.name}, got {_native_dtype(lse.dtype).name}")
+    passed = dict(q=q, k=k, v=v, bias=options.get("bias"), rel_bias=options.get("rel_bias"),
+                  rel_q=options.get("rel_q"), rel_k=options.get("rel_k"))
+    tails = dict(q=2, k=2, v=2, bias=2, rel_bias=1, rel_q=2, rel_k=2)
+    targets = {}
+    for name, x in passed.items():
+        if x is None:
+            continue
+        x = xp.asarray(x)          # already accepted by validate_attention
+        dtype = p.dtype if name in ("q", "k", "v") else _native_dtype(x.dtype)
+        targets[name] = Target(shape=tuple(x.shape), dtype=dtype, tail=tails[name])
+    return BackwardProblem(forward=p, dout=_native(xp, dout), out=_native(xp, out),
+                           lse=_native(xp, lse), targets=targets)

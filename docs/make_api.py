@@ -21,7 +21,8 @@ def render() -> str:
         "# API reference\n",
         "Generated from the docstrings by `python docs/make_api.py`; do not edit by hand.\n",
     ]
-    for name in ("attention", "merge", "softmax", "log_softmax", "logsumexp"):
+    for name in ("attention", "attention_backward", "attention_vjp", "Gradients", "merge",
+                 "softmax", "log_softmax", "logsumexp"):
         fn = getattr(cuonline, name)
         signature = f"cuonline.{name}{inspect.signature(fn)}"
         parts.append(f"## `{name}`\n\n```\n{signature}\n```\n\n```text\n"

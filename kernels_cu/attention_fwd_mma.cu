@@ -24,8 +24,10 @@
 //   CUONLINE_CP_ASYNC            1: q/k/v rows are 16-byte aligned with unit column stride and
 //                                go global -> shared by cp.async; 0: element-wise loads (any
 //                                strides) into the same layout
-//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
-//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1 (read by attention_score.cuh)
+//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_BIAS_BLOCK, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI,
+//   _HAS_REL_BIAS, _HAS_REL_QK, _HAS_SOFTCAP, CUONLINE_SOFTCAP_BIAS, CUONLINE_RETURN_LSE,
+//   CUONLINE_SPLIT                 feature flags, 0 or 1 (read by attention_score.cuh)
+//   CUONLINE_DR                    width of rel_q / rel_k (0 without rel_qk)
 //
 // Work decomposition (the arguments: CUONLINE_ATTENTION_PARAMS in attention_block.cuh)
 //   grid.x = nbatch * n_query_tiles, grid.z = key splits; block = kWarps warps.
@@ -42,7 +44,13 @@
 //   sQ: (kBlockM, kDp)                      loaded once
 //   sK: (kStages, kBlockN, kDp)             ring of K tiles
 //   sV: (kStages, kBlockN, kDvp)            ring of V tiles
-// Operands are addressed as in attention_fwd_simt.cu: base + offsets[b * 5 + op] + row *
+//   with rel_qk (kHasRelQk), in the accumulation type:
+//   sRq: (kBlockM, kLdRel)                  the query tile's rel_q rows, loaded with Q
+//   sRk: (kBlockM + kBlockN - 1, kLdRel)    the band of rel_k of the current key tile, loaded
+//                                           (plain loads) after the previous tile's last
+//                                           barrier and before this tile's first; the dot per
+//                                           score element is a scalar loop over Dr
+// Operands are addressed as in attention_fwd_simt.cu: base + offsets[b * 8 + op] + row *
 // strides[2 op] + col * strides[2 op + 1] (elements, 64-bit); out and lse are contiguous.
 
 #ifndef CUONLINE_STAGES
@@ -156,6 +164,10 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
     T* sQ = cuonline_mma_smem;                 // (kBlockM, kDp)
     T* sK = sQ + kQElems;                      // (kStages, kBlockN, kDp)
     T* sV = sK + kStages * kKElems;            // (kStages, kBlockN, kDvp)
+    // (kBlockM, kLdRel) then (kBlockM + kBlockN - 1, kLdRel), with rel_qk only; the tiles
+    // before it are whole 16-byte rows, so the Acc region is aligned
+    Acc* sRq = reinterpret_cast<Acc*>(sV + kStages * kVElems);
+    Acc* sRk = sRq + kBlockM * kLdRel;
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -175,7 +187,8 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 
     // visibility and the score transform (scores in natural units)
     const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides);
+                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
+                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
 
     // Lane's rows: slot r = 2 mt + h is row row0 + 8 r (query tile mt, h = 0: row g, h = 1:
     // row g + 8). state[r].o[2 nv + c] is output column 8 nv + 2t + c of slot r: the C layout
@@ -196,6 +209,8 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         // ---- prologue: Q in its own group, then the first kStages - 1 K/V tiles
         Tiles::load<LQK, kBlockM, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
         cp_async_commit();
+        // visible after the first barrier below, like Q
+        if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockM);
 #pragma unroll
         for (int s = 0; s + 1 < kStages; ++s) {
             if (s < n_tiles) {
@@ -230,6 +245,13 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                 Tiles::load<LV, kBlockN, kDv, kDvp>(sV, v_b, rs_v, cs_v, j0, key_end);
             }
             cp_async_commit();
+            // this tile's rel_k band: the previous tile's readers are past its last barrier
+            int band_lo = 0;
+            if constexpr (kHasRelQk) {
+                int count;
+                pipe.rel_k_band(i0, kBlockM, j0, kBlockN, band_lo, count);
+                pipe.stage_rel_k<kThreads>(sRk, band_lo, count);
+            }
             cp_async_wait<kStages - 1>();  // tile n (and Q) landed for this thread...
             if constexpr (Op::kRoundTiles) {
                 Tiles::round<LQK, kBlockN, kDp>(sK + int(n % kStages) * kKElems);
@@ -293,9 +315,11 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
                         const int r = 2 * mt + (e >> 1);
                         const long long i = row0 + 8 * r;
                         const long long j = j0 + 8 * nt + 2 * t + (e & 1);
+                        Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
+                        if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                         sc[mt][nt][e] = pipe.score(sc[mt][nt][e], i, j,
                                                    interior || pipe.in_range(i, j), at[r],
-                                                   8 * nt + (e & 1));
+                                                   8 * nt + (e & 1), rel);
                         tile_max[r] = max_(tile_max[r], sc[mt][nt][e]);
                     }
                 }
@@ -385,6 +409,8 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         const T* const q_b = q + of[kQ];
         const T* const k_b = k + of[kK];
         const T* const v_b = v + of[kV];
+        const Acc* const rel_q_t = opaque(rel_q);
+        const Acc* const rel_k_t = opaque(rel_k);
         const long long rs_q = st[2 * kQ], rs_k = st[2 * kK], rs_v = st[2 * kV];
         // cp.async: unit column strides (checked on the host)
         const long long cs_q = kCpAsync ? 1 : st[2 * kQ + 1];
@@ -402,7 +428,8 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 #pragma unroll 4
             for (int d = 0; d < kD; ++d)
                 qk += mma_operand(q_b[i * rs_q + d * cs_q]) * mma_operand(k_b[j * rs_k + d * cs_k]);
-            const Acc x = row_pipe.logit(qk, i, j);
+            const Acc rel = kHasRelQk ? row_pipe.rel_qk_global(i, j, rel_q_t, rel_k_t) : Acc(0);
+            const Acc x = row_pipe.logit(qk, i, j, rel);
             const Acc p = mma_weight(exp2_weight((x - m) * log2e(Acc())));
             // columns 8 nv + 2t + c: a pointer to the lane's first, stepped 8 columns a time
             const T* v_j = v_b + j * rs_v + 2 * t * cs_v;

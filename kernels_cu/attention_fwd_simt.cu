@@ -10,8 +10,10 @@
 //   CUONLINE_WARPS                  warps per block
 //   CUONLINE_ROWS_PER_WARP          query rows owned by each warp  (kBlockM = warps * rows)
 //   CUONLINE_KEYS_PER_LANE          keys scored by each lane per tile (kBlockN = 32 * keys)
-//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI, _HAS_SOFTCAP,
-//   CUONLINE_RETURN_LSE, CUONLINE_SPLIT   feature flags, 0 or 1 (read by attention_score.cuh)
+//   CUONLINE_HAS_WINDOW, _HAS_BIAS, _HAS_BIAS_BLOCK, _HAS_MASK, _HAS_KV_LENGTHS, _HAS_ALIBI,
+//   _HAS_REL_BIAS, _HAS_REL_QK, _HAS_SOFTCAP, CUONLINE_SOFTCAP_BIAS, CUONLINE_RETURN_LSE,
+//   CUONLINE_SPLIT                 feature flags, 0 or 1 (read by attention_score.cuh)
+//   CUONLINE_DR                    width of rel_q / rel_k (0 without rel_qk)
 //
 // Work decomposition
 //   grid.x = nbatch * n_query_tiles, grid.z = number of key splits (1 without CUONLINE_SPLIT)
@@ -26,9 +28,14 @@
 //   sKV: (kBlockN, kLdKV)         the K tile, then (after a barrier) the V tile of the same keys;
 //                                 one buffer for both halves the footprint (no async copies in
 //                                 SIMT, so there is no overlap to lose).
+//   with rel_qk (kHasRelQk):
+//   sRq: (kBlockM, kLdRel)        the query tile's rel_q rows, loaded with sQ
+//   sRk: (kBlockM + kBlockN - 1, kLdRel)  the band of rel_k the tile's distances reach, loaded
+//                                 with each K tile (behind the same barriers)
 //
-// Operands are addressed as base + offsets[b * 5 + op] + row * strides[2*op] + col *
-// strides[2*op + 1] (elements, 64-bit), with op = 0 q, 1 k, 2 v, 3 bias, 4 mask. The host
+// Operands are addressed as base + offsets[b * 8 + op] + row * strides[2*op] + col *
+// strides[2*op + 1] (elements, 64-bit), with op = 0 q, 1 k, 2 v, 3 bias, 4 mask, 5 rel_bias,
+// 6 rel_q, 7 rel_k (operand:: in attention_score.cuh). The host
 // computes the per-batch offsets from the broadcast views' strides, so broadcasting, transposes
 // and negative steps cost no copy. out and lse are contiguous: (nbatch, lq, Dv) and (nbatch, lq).
 
@@ -101,6 +108,8 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
     __shared__ int s_dirty[kWarps];           // per warp: its V chunk held a non-finite value
     Acc* sQ = cuonline_fwd_smem;              // (kBlockM, kD)
     Acc* sKV = cuonline_fwd_smem + kBlockM * kD;  // (kBlockN, kLdKV)
+    Acc* sRq = sKV + kBlockN * kLdKV;             // (kBlockM, kLdRel), with rel_qk only
+    Acc* sRk = sRq + kBlockM * kLdRel;            // (kBlockM + kBlockN - 1, kLdRel)
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -119,7 +128,8 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
 
     // visibility and the score transform (scores in natural units)
     const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides);
+                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
+                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
 
     SoftmaxState<Acc, kCols> state[kRows];
 #pragma unroll
@@ -133,11 +143,18 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
             const long long i = i0 + r;
             sQ[idx] = i < lq ? to_acc(q_b[i * strides[2 * kQ] + c * strides[2 * kQ + 1]]) : Acc(0);
         }
+        if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockM);
 
         for (long long j0 = (j_lo / kBlockN) * kBlockN; j0 < j_hi; j0 += kBlockN) {
             // ---- load K tile (the barrier also keeps the previous V tile alive until read)
             __syncthreads();
             load_kv_tile<kD, false>(sKV, k_b, strides[2 * kK], strides[2 * kK + 1], j0, key_end);
+            int band_lo = 0;  // rel_k rows [band_lo, band_lo + count) of this tile
+            if constexpr (kHasRelQk) {
+                int count;
+                pipe.rel_k_band(i0, kBlockM, j0, kBlockN, band_lo, count);
+                pipe.stage_rel_k<kThreads>(sRk, band_lo, count);
+            }
             __syncthreads();
 
             // ---- scores: s[r][t] = q_row(r) . k_(j0 + lane + 32 t)
@@ -164,8 +181,12 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
             for (int r = 0; r < kRows; ++r) {
                 const long long i = i0 + warp * kRows + r;
 #pragma unroll
-                for (int t = 0; t < kKeys; ++t)
-                    s[r][t] = pipe.score(s[r][t], i, j0 + lane + 32 * t);
+                for (int t = 0; t < kKeys; ++t) {
+                    const long long j = j0 + lane + 32 * t;
+                    Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
+                    if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
+                    s[r][t] = pipe.score(s[r][t], i, j, rel);
+                }
             }
 
             // ---- rescale running state to the new row max; p = exp(s - m)

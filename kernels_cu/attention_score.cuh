@@ -5,8 +5,9 @@
 // one text:
 //   which keys a query may see    the block's key range (key tail or kv_lengths, the causal /
 //                                 window band, the split's slice), the row's band, the mask;
-//   how a raw score becomes a     q·k scaled, or soft-capped, plus the additive bias, minus the
-//   logit                         ALiBi penalty (or all of it soft-capped), in natural units.
+//   how a raw score becomes a     q·k scaled plus rel_q·rel_k[delta], or soft-capped, plus the
+//   logit                         additive (or block) bias and rel_bias[delta], minus the ALiBi
+//                                 penalty (or all of it soft-capped), in natural units.
 // The variant's option defines become the compile-time constants below, here and nowhere else;
 // kernels branch on them with `if constexpr`, so every branch is compiled (type-checked) in
 // every variant and a disabled one costs nothing.
@@ -26,6 +27,15 @@ namespace cuonline {
 
 constexpr bool kHasWindow = CUONLINE_HAS_WINDOW != 0;         // causal or sliding-window band
 constexpr bool kHasBias = CUONLINE_HAS_BIAS != 0;             // additive (lq, lk) bias
+// ... coarse: (ceil(lq / r), ceil(lk / c)), score (i, j) reads element (i / r, j / c)
+constexpr bool kHasBiasBlock = CUONLINE_HAS_BIAS_BLOCK != 0;
+constexpr bool kHasRelBias = CUONLINE_HAS_REL_BIAS != 0;      // Toeplitz rel_bias[delta]
+constexpr bool kHasRelQk = CUONLINE_HAS_REL_QK != 0;          // rel_q[i] · rel_k[delta]
+// Width of rel_q and rel_k (compile-time, like D; 1 where unused), and the row stride of their
+// shared-memory copies: odd (in 4-byte words for float), so that lanes reading different rows
+// at one column hit different banks.
+constexpr int kDr = CUONLINE_DR > 0 ? CUONLINE_DR : 1;
+constexpr int kLdRel = kDr + 1;
 constexpr bool kHasMask = CUONLINE_HAS_MASK != 0;             // boolean (lq, lk) mask, True keeps
 constexpr bool kHasKvLengths = CUONLINE_HAS_KV_LENGTHS != 0;  // keys per batch element
 constexpr bool kHasAlibi = CUONLINE_HAS_ALIBI != 0;           // ALiBi slope per batch element
@@ -42,7 +52,10 @@ constexpr bool kWritesLse = kSplit || kReturnLse;
 // Operands in the per-batch offset table (offsets[b * kCount + op]) and in strides[2 op]
 // (row stride), strides[2 op + 1] (column stride), in elements.
 namespace operand {
-enum : int { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4, kCount = 5 };
+// rel_bias is one row (1, Rb) per batch element.
+enum : int {
+    kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4, kRelBias = 5, kRelQ = 6, kRelK = 7, kCount = 8
+};
 }
 
 // The parameters of every attention forward kernel, in the order cuonline/kernels/arguments.py
@@ -56,15 +69,20 @@ enum : int { kQ = 0, kK = 1, kV = 2, kBias = 3, kMask = 4, kCount = 5 };
         const unsigned char* __restrict__ mask,   /* per batch: (lq, lk) or null */           \
         const long long* __restrict__ kv_lengths, /* (nbatch,) or null */                     \
         const CUONLINE_ACC* __restrict__ alibi,   /* (nbatch,) or null */                     \
+        const CUONLINE_ACC* __restrict__ rel_bias, /* per batch: (1, Rb) or null */           \
+        const CUONLINE_ACC* __restrict__ rel_q,   /* per batch: (lq, Dr) or null */           \
+        const CUONLINE_ACC* __restrict__ rel_k,   /* per batch: (Rk, Dr) or null */           \
         OutT* __restrict__ out,                   /* ([nsplit,] nbatch, lq, Dv) */            \
         CUONLINE_ACC* __restrict__ lse,           /* ([nsplit,] nbatch, lq) or null */        \
-        const long long* __restrict__ offsets,    /* (nbatch, 5) */                           \
-        const long long* __restrict__ strides,    /* (5, 2) */                                \
+        const long long* __restrict__ offsets,    /* (nbatch, 8) */                           \
+        const long long* __restrict__ strides,    /* (8, 2) */                                \
         int lq, int lk,                                                                       \
         long long diagonal_offset,        /* q_offset - k_offset: query i faces key i + it */ \
         CUONLINE_ACC scale, CUONLINE_ACC softcap,                                             \
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
-        long long split_keys                           /* keys per grid.z slice */
+        long long split_keys,                          /* keys per grid.z slice */           \
+        int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
+        int rel_bias_radius, int rel_k_radius          /* (Rb - 1) / 2, (Rk - 1) / 2 */
 
 // The output element type of a family whose final element type is T: a split writes partial,
 // already normalised outputs into an accumulation-type workspace, merged by the combine.
@@ -141,26 +159,37 @@ template <class Acc>
 class ScorePipeline {
   public:
     // Mask and bias at one place (i, j): the elements of that row are dj column strides away.
-    // Formed for any place, dereferenced only where the place is in range (inside the operand).
+    // A block bias points at column 0 of the coarse row i / r instead: along a row its element
+    // (j / c) is not linear in dj, so it is found from j. Formed for any place, dereferenced
+    // only where the place is in range (inside the operand).
     struct Row {
         const unsigned char* mask;
         const Acc* bias;
     };
 
     // `off`: the batch element's row of the offset table (offsets + b * operand::kCount)
+    // `bias_rows`, `bias_cols`: the block of a block bias; `rel_*`: the relative terms' tables
+    // (per batch element through the offset table) and radii.
     __device__ __forceinline__ ScorePipeline(const BlockRange& r, int lq, long long window_left,
                                              long long window_right, Acc scale, Acc softcap,
                                              const Acc* alibi, const Acc* bias,
                                              const unsigned char* mask, const long long* off,
-                                             const long long* strides)
-        : lq_(lq), key_end_(r.key_end), j_lo_(r.j_lo), j_hi_(r.j_hi), diag_(r.diag),
-          window_left_(window_left), window_right_(window_right), mask_(mask), bias_(bias),
-          off_(off), strides_(strides) {
+                                             const long long* strides, int bias_rows,
+                                             int bias_cols, const Acc* rel_bias,
+                                             int rel_bias_radius, const Acc* rel_q,
+                                             const Acc* rel_k, int rel_k_radius)
+        : lq_(lq), bias_rows_(bias_rows), bias_cols_(bias_cols), rb_(rel_bias_radius),
+          rk_(rel_k_radius), key_end_(r.key_end), j_lo_(r.j_lo), j_hi_(r.j_hi), diag_(r.diag),
+          window_left_(window_left), window_right_(window_right), mask_(mask),
+          bias_(bias), rel_bias_(kHasRelBias ? rel_bias + off[operand::kRelBias] : rel_bias),
+          rel_q_(rel_q),
+          rel_k_(rel_k), off_(off),
+          strides_(strides) {
         // scaled(qk) = qk * scale, or cap * tanh(qk * scale / cap); a capped logit x becomes
-        // cap * tanh(x * inv_cap)
+        // cap * tanh(x * inv_cap); the relative content rel joins the capped score as rel / cap
         scale_ = kCapScore ? scale / softcap : scale;
         cap_ = kHasSoftcap ? softcap : Acc(0);
-        inv_cap_ = kCapLogit ? Acc(1) / softcap : Acc(0);
+        inv_cap_ = kHasSoftcap ? Acc(1) / softcap : Acc(0);
         slope_ = Acc(0);
         if constexpr (kHasAlibi) slope_ = alibi[r.b];
     }
@@ -202,7 +231,8 @@ class ScorePipeline {
     __device__ __forceinline__ Row row(long long i, long long j) const {
         Row at{nullptr, nullptr};
         if constexpr (kHasMask) at.mask = mask_ + offset(operand::kMask, i, j);
-        if constexpr (kHasBias) at.bias = bias_ + offset(operand::kBias, i, j);
+        if constexpr (kHasBiasBlock) at.bias = bias_ + bias_offset(i, 0);
+        else if constexpr (kHasBias) at.bias = bias_ + offset(operand::kBias, i, j);
         return at;
     }
 
@@ -212,19 +242,89 @@ class ScorePipeline {
         else return true;
     }
 
+    // ---- the relative terms: delta = key position - query position = j - i - diag, clamped
+
+    // Row of a relative table of radius `radius` that (i, j) reads: radius + clip(delta).
+    __device__ __forceinline__ int rel_row(long long i, long long j, int radius) const {
+        return clamp_delta(j - i - diag_, radius) + radius;
+    }
+
+    // The rows [lo, lo + count) of rel_k (as rel_row gives them) that the queries
+    // [i_first, i_first + m) and keys [j_first, j_first + n) of one tile read: distances are
+    // monotone in j - i, so one band of at most m + n - 1 rows (fewer where clamped).
+    __device__ __forceinline__ void rel_k_band(long long i_first, int m, long long j_first, int n,
+                                               int& lo, int& count) const {
+        lo = rel_row(i_first + m - 1, j_first, rk_);
+        count = rel_row(i_first, j_first + n - 1, rk_) - lo + 1;
+    }
+
+    // Stage rel_q of queries [i0, i0 + m) into s (m, kLdRel); rows past lq are zero.
+    template <int kThreads>
+    __device__ __forceinline__ void stage_rel_q(Acc* s, long long i0, int m) const {
+        const long long rs = strides_[2 * operand::kRelQ], cs = strides_[2 * operand::kRelQ + 1];
+        const Acc* base = rel_q_ + off_[operand::kRelQ];
+        for (int idx = threadIdx.x; idx < m * kDr; idx += kThreads) {
+            const int r = idx / kDr, c = idx - r * kDr;
+            const long long i = i0 + r;
+            s[r * kLdRel + c] = i < lq_ ? base[i * rs + c * cs] : Acc(0);
+        }
+    }
+
+    // Stage the rel_k band [lo, lo + count) (rel_k_band) into s (count, kLdRel).
+    template <int kThreads>
+    __device__ __forceinline__ void stage_rel_k(Acc* s, int lo, int count) const {
+        const long long rs = strides_[2 * operand::kRelK], cs = strides_[2 * operand::kRelK + 1];
+        const Acc* base = rel_k_ + off_[operand::kRelK] + lo * rs;
+        for (int idx = threadIdx.x; idx < count * kDr; idx += kThreads) {
+            const int r = idx / kDr, c = idx - r * kDr;
+            s[r * kLdRel + c] = base[r * rs + c * cs];
+        }
+    }
+
+    // rel_q[i] · rel_k[rel_row(i, j)] from the staged copies: sRq holds the queries from i0,
+    // sRk the band from row lo; (i, j) in the tile the band was staged for.
+    __device__ __forceinline__ Acc rel_qk(const Acc* sRq, const Acc* sRk, long long i0, int lo,
+                                          long long i, long long j) const {
+        const Acc* a = sRq + int(i - i0) * kLdRel;
+        const Acc* b = sRk + (rel_row(i, j, rk_) - lo) * kLdRel;
+        Acc dot = Acc(0);
+#pragma unroll 8
+        for (int d = 0; d < kDr; ++d) dot += a[d] * b[d];
+        return dot;
+    }
+
+    // The same dot from global memory (i < lq): for a kernel's rare recomputed rows. The
+    // tables come in again as `rel_q`, `rel_k` (the kernel's parameters, possibly opaque).
+    __device__ __forceinline__ Acc rel_qk_global(long long i, long long j, const Acc* rel_q,
+                                                 const Acc* rel_k) const {
+        const long long* st = strides_;
+        const Acc* a = rel_q + off_[operand::kRelQ] + i * st[2 * operand::kRelQ];
+        const Acc* b = rel_k + off_[operand::kRelK] + rel_row(i, j, rk_) * st[2 * operand::kRelK];
+        const long long ca = st[2 * operand::kRelQ + 1], cb = st[2 * operand::kRelK + 1];
+        Acc dot = Acc(0);
+#pragma unroll 4
+        for (int d = 0; d < kDr; ++d) dot += a[d * ca] * b[d * cb];
+        return dot;
+    }
+
     // ---- the score transform
 
-    // The logit of raw score qk at (i, j), in natural units. `bias_at()` reads the bias there;
-    // called only where `readable` (the place is in range and kept: inside the operand).
+    // The logit of raw score qk at (i, j), in natural units; `rel` is rel_q[i] · rel_k[delta]
+    // (0 without rel_qk). `bias_at()` reads the bias there; called only where `readable` (the
+    // place is in range and kept: inside the operand).
     template <class BiasAt>
     __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j, bool readable,
-                                         const BiasAt& bias_at) const {
-        // content score, capped unless the whole logit is
-        Acc x;
-        if constexpr (kCapScore) x = cap_ * tanh_(qk * scale_);
-        else x = qk * scale_;
+                                         const BiasAt& bias_at, Acc rel = Acc(0)) const {
+        // content score scale q·k + rel, capped unless the whole logit is
+        Acc x = qk * scale_;
+        if constexpr (kHasRelQk) x += kCapScore ? rel * inv_cap_ : rel;
+        if constexpr (kCapScore) x = cap_ * tanh_(x);
         if constexpr (kHasBias) {
             if (readable) x += bias_at();
+        }
+        if constexpr (kHasRelBias) {
+            // the row is clamped into the table: read for any place
+            x += rel_bias_[rel_row(i, j, rb_)];
         }
         if constexpr (kHasAlibi) {
             // |delta|, delta = key position - query position = j - (i + diag)
@@ -234,8 +334,9 @@ class ScorePipeline {
         if constexpr (kCapLogit) x = cap_ * tanh_(x * inv_cap_);
         return x;
     }
-    __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j) const {
-        return logit(qk, i, j, true, [&] { return bias_[offset(operand::kBias, i, j)]; });
+    __device__ __forceinline__ Acc logit(Acc qk, long long i, long long j,
+                                         Acc rel = Acc(0)) const {
+        return logit(qk, i, j, true, [&] { return bias_[bias_offset(i, j)]; }, rel);
     }
 
     // What the softmax sees of raw score qk at (i, j): its logit, or -inf where j is invisible
@@ -247,21 +348,24 @@ class ScorePipeline {
     // a masked key (a `visible` bool there took a 32-bit register per score: +14 registers with
     // every option).
     __device__ __forceinline__ Acc score(Acc qk, long long i, long long j, bool in_range,
-                                         const Row& at, int dj) const {
+                                         const Row& at, int dj, Acc rel = Acc(0)) const {
         bool visible = in_range;
         if constexpr (kHasMask) {
             if (visible) visible = at.mask[dj * strides_[2 * operand::kMask + 1]] != 0;
         }
-        const Acc x = logit(qk, i, j, visible,
-                            [&] { return at.bias[dj * strides_[2 * operand::kBias + 1]]; });
+        const Acc x = logit(qk, i, j, visible, [&] {
+            const long long col = kHasBiasBlock ? (long long)(int(j) / bias_cols_) : dj;
+            return at.bias[col * strides_[2 * operand::kBias + 1]];
+        }, rel);
         return visible ? x : neg_inf(Acc());
     }
-    __device__ __forceinline__ Acc score(Acc qk, long long i, long long j) const {
+    __device__ __forceinline__ Acc score(Acc qk, long long i, long long j,
+                                         Acc rel = Acc(0)) const {
         const bool in = in_range(i, j);
         if constexpr (kHasMask) {
             if (in && mask_[offset(operand::kMask, i, j)] == 0) return neg_inf(Acc());
         }
-        const Acc x = logit(qk, i, j, in, [&] { return bias_[offset(operand::kBias, i, j)]; });
+        const Acc x = logit(qk, i, j, in, [&] { return bias_[bias_offset(i, j)]; }, rel);
         return in ? x : neg_inf(Acc());
     }
 
@@ -283,8 +387,22 @@ class ScorePipeline {
     __device__ __forceinline__ long long offset(int op, long long i, long long j) const {
         return off_[op] + i * strides_[2 * op] + j * strides_[2 * op + 1];
     }
+    // The bias element of (i, j): (i / r, j / c) of a block bias. Places are below 2^31 (lq, lk
+    // are int): 32-bit divisions.
+    __device__ __forceinline__ long long bias_offset(long long i, long long j) const {
+        if constexpr (kHasBiasBlock)
+            return offset(operand::kBias, int(i) / bias_rows_, int(j) / bias_cols_);
+        else return offset(operand::kBias, i, j);
+    }
+    // delta clipped to [-radius, radius] (radius < 2^30, so that rows up to 2 radius fit an
+    // int: the host checks)
+    __device__ __forceinline__ static int clamp_delta(long long delta, int radius) {
+        return delta < -radius ? -radius : (delta > radius ? radius : int(delta));
+    }
 
     int lq_;
+    int bias_rows_, bias_cols_;  // the block of a block bias
+    int rb_, rk_;                // radii of rel_bias and rel_k
     long long key_end_, j_lo_, j_hi_, diag_, window_left_, window_right_;
     Acc scale_;  // scale, or scale / softcap (kCapScore)
     Acc cap_;
@@ -292,8 +410,13 @@ class ScorePipeline {
     Acc slope_;
     const unsigned char* mask_;  // (lq, lk) per batch element, through offsets and strides
     const Acc* bias_;
+    // (Rb,): this batch element's row, unit column stride (the argument builder sees to it):
+    // one pointer, rather than an offset and a stride reloaded or held per score
+    const Acc* rel_bias_;
+    const Acc* rel_q_;           // (lq, Dr) per batch element
+    const Acc* rel_k_;           // (Rk, Dr) per batch element
     const long long* off_;       // the batch element's row of the offset table
-    const long long* strides_;   // (5, 2)
+    const long long* strides_;   // (8, 2)
 };
 
 }  // namespace cuonline

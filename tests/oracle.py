@@ -113,3 +113,131 @@ def _np(x):
 
 def _f64(x):
     return _np(x).astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# gradients (issue 13): a dense float64 reference, from the softmax Jacobian
+
+
+def reference_attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None,
+                                 bias=None, mask=None, kv_lengths=None, alibi_slopes=None,
+                                 softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
+                                 bias_block=None, rel_bias=None, rel_q=None, rel_k=None):
+    """Gradients of ``sum(dout * attention(q, k, v, ...))`` in float64, as a dict with the keys
+    ``dq, dk, dv, dbias, drel_bias, drel_q, drel_k`` (None for a term not given), each of the
+    shape of its input as passed (broadcast dimensions summed).
+
+    Written from the definition, one query row at a time over its visible keys only: the row's
+    logits ``s`` (every term densely, in the documented order), ``p = softmax(s)``, ``dp =
+    V dO_i``, the softmax Jacobian ``J = diag(p) - p p^T`` and ``ds = J dp``, then the chain rule
+    through the soft cap (``d/dx c tanh(x / c) = 1 - tanh(x / c)^2``) into each term.
+    """
+    q, k, v, dout = (_f64(x) for x in (q, k, v, dout))
+    lq, d = q.shape[-2:]
+    lk, dv_ = k.shape[-2], v.shape[-1]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
+    q_offset = lk - lq if q_offset is None else q_offset
+    rows, cols = np.arange(lq)[:, None], np.arange(lk)[None, :]
+    delta = cols - rows + (int(k_offset) - int(q_offset))         # key minus query position
+
+    def full(x, tail):
+        return np.broadcast_to(_f64(x), batch + tail)
+
+    Q, K, V = full(q, (lq, d)), full(k, (lk, d)), full(v, (lk, dv_))
+    dO = full(dout, (lq, dv_))
+    content = scale * np.einsum("...id,...jd->...ij", Q, K)
+    if rel_q is not None:
+        RQ, RK = full(rel_q, (lq, rel_q.shape[-1])), full(rel_k, rel_k.shape[-2:])
+        kidx = _table_index(delta, RK.shape[-2])                  # (Lq, Lk) table entries
+        content = content + np.einsum("...id,...ijd->...ij", RQ, RK[..., kidx, :])
+    terms = np.zeros(batch + (lq, lk))                            # every additive term
+    if bias is not None:
+        if bias_block is None:
+            terms = terms + full(bias, (lq, lk))
+        else:
+            r, c = (bias_block, bias_block) if np.ndim(bias_block) == 0 else bias_block
+            bi, bj = np.arange(lq) // r, np.arange(lk) // c
+            coarse = full(bias, (-(-lq // r), -(-lk // c)))
+            terms = terms + coarse[..., bi[:, None], bj[None, :]]
+    if rel_bias is not None:
+        table = full(rel_bias, (rel_bias.shape[-1],))
+        bidx = _table_index(delta, table.shape[-1])
+        terms = terms + table[..., bidx]
+    if alibi_slopes is not None:
+        terms = terms - full(alibi_slopes, ())[..., None, None] * np.abs(delta)
+    cap_content = softcap is not None and not softcap_bias
+    cap_logit = softcap is not None and softcap_bias
+    capped = softcap * np.tanh(content / softcap) if cap_content else content
+    pre = capped + terms
+    logits = softcap * np.tanh(pre / softcap) if cap_logit else pre
+
+    visible = np.ones(batch + (lq, lk), dtype=bool)
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None:
+        visible &= delta >= -left
+    if right is not None:
+        visible &= delta <= right
+    if mask is not None:
+        visible &= _np(mask)
+    if kv_lengths is not None:
+        visible &= cols < np.broadcast_to(_np(kv_lengths), batch)[..., None, None]
+
+    dQ, dK, dV = np.zeros(Q.shape), np.zeros(K.shape), np.zeros(V.shape)
+    d_terms = np.zeros(batch + (lq, lk))                          # gradient of each term
+    d_content = np.zeros(batch + (lq, lk))                        # of the content score
+    for idx in np.ndindex(*batch, lq):
+        b, i = idx[:-1], idx[-1]
+        seen = visible[idx]
+        if not seen.any():
+            continue
+        s = logits[idx][seen]
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        dp = V[b][seen] @ dO[idx]
+        ds = (np.diag(p) - np.outer(p, p)) @ dp                  # the softmax Jacobian
+        if cap_logit:
+            ds = ds * (1 - np.tanh(pre[idx][seen] / softcap) ** 2)
+        d_terms[idx][seen] = ds
+        dc = ds * (1 - np.tanh(content[idx][seen] / softcap) ** 2) if cap_content else ds
+        d_content[idx][seen] = dc
+        dV[b][seen] += np.outer(p, dO[idx])
+        dQ[idx] += scale * dc @ K[b][seen]
+        dK[b][seen] += scale * np.outer(dc, Q[idx])
+
+    grads = dict(dq=_sum_to(dQ, q.shape), dk=_sum_to(dK, k.shape), dv=_sum_to(dV, v.shape),
+                 dbias=None, drel_bias=None, drel_q=None, drel_k=None)
+    if bias is not None:
+        if bias_block is None:
+            grads["dbias"] = _sum_to(d_terms, np.shape(bias))
+        else:
+            g = np.zeros(batch + coarse.shape[-2:])
+            for i in range(lq):
+                for j in range(lk):
+                    g[..., bi[i], bj[j]] += d_terms[..., i, j]
+            grads["dbias"] = _sum_to(g, np.shape(bias))
+    if rel_bias is not None:
+        g = np.zeros(batch + table.shape[-1:])
+        for (i, j), e in np.ndenumerate(bidx):
+            g[..., e] += d_terms[..., i, j]
+        grads["drel_bias"] = _sum_to(g, np.shape(rel_bias))
+    if rel_q is not None:
+        gq, gk = np.zeros(RQ.shape), np.zeros(RK.shape)
+        for (i, j), e in np.ndenumerate(kidx):
+            dc = d_content[..., i, j, None]
+            gq[..., i, :] += dc * RK[..., e, :]
+            gk[..., e, :] += dc * RQ[..., i, :]
+        grads["drel_q"] = _sum_to(gq, np.shape(rel_q))
+        grads["drel_k"] = _sum_to(gk, np.shape(rel_k))
+    return grads
+
+
+def _sum_to(g, shape):
+    """Sum the broadcast gradient ``g`` to an input of ``shape``."""
+    shape = tuple(shape)
+    lead = g.ndim - len(shape)
+    g = g.sum(axis=tuple(range(lead))) if lead else g
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and g.shape[a] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g

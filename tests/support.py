@@ -42,6 +42,25 @@ if BFLOAT16 is not None:
     TOLERANCE[BFLOAT16] = 3e-2
 
 
+def peak_traced_bytes(fn, warm_up=()):
+    """``(peak, result)``: the peak of memory traced by tracemalloc (NumPy reports to it) while
+    ``fn()`` runs, beyond what was traced before. ``warm_up`` calls run first, untraced: the
+    first call of a process compiles the NumPy engine's tile kernel (numba), a one-time cost
+    that is not a call's working memory."""
+    import tracemalloc
+
+    for call in warm_up:
+        call()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return tracemalloc.get_traced_memory()[1] - base, result
+    finally:
+        tracemalloc.stop()
+
+
 def tolerance(dtype) -> float:
     """The absolute error allowed for ``dtype`` against the float64 oracle."""
     return TOLERANCE[np.dtype(dtype)]
@@ -315,6 +334,8 @@ BARRIER_CASES_OF = {
     "attention_combine.cuh": ("simt_split", "mma_split"),
     "common.cuh": ("simt", "mma", "softmax"),
     "softmax.cu": ("softmax",),
+    "attention_bwd_simt.cu": ("bwd_simt",),
+    "attention_bwd_mma.cu": ("bwd_mma",),
 }
 
 #: (dtype, family, lq, lk, n_splits): 200 keys are 4 tiles of 64 (mma f16 D = 32: two stages,
@@ -325,6 +346,12 @@ BARRIER_ATTENTION_CASES = {
     "mma": (np.float16, "attention_fwd_mma", 80, 200, None),
     "simt_split": (np.float32, "attention_fwd_simt", 40, 300, 2),
     "mma_split": (np.float16, "attention_fwd_mma", 80, 300, 2),
+    # the backward: 100 queries and 75 keys are 4 and 3 ragged tiles of 32 (float32 D = 32,
+    # Dv = 24), so each kernel's key or query loop crosses its barriers several times
+    "bwd_simt": (np.float32, "attention_bwd_simt", 100, 75, None),
+    # the tensor-core backward (float16 on the emulation's sm_90): 150 queries and 140 keys
+    # are 3 ragged tiles of 64 each way, so each kernel's loop refills its streamed tile
+    "bwd_mma": (np.float16, "attention_bwd_mma", 150, 140, None),
 }
 #: Every barrier case: the attention ones and the softmax one.
 BARRIER_CASES = sorted(BARRIER_ATTENTION_CASES) + ["softmax"]
@@ -365,6 +392,8 @@ def _run_barrier_case(case, sources, tsan):
     q = rng.standard_normal((2, lq, 32)).astype(dtype)
     k = rng.standard_normal((2, lk, 32)).astype(dtype)
     v = rng.standard_normal((2, lk, 24)).astype(dtype)
+    if family in ("attention_bwd_simt", "attention_bwd_mma"):
+        return _run_backward_barrier_case(q, k, v, rng, sources, options)
     p = problem_of("emulate", q, k, v, return_lse=True)
     with overrides(num_sms=1, n_splits=n_splits, family=family, tuned={},
                    kernel_sources=sources, emulate_options=options):
@@ -373,3 +402,22 @@ def _run_barrier_case(case, sources, tsan):
         return float("inf")
     ref, _ = reference_attention(q, k, v)
     return float(np.abs(out.astype(np.float64) - ref).max())
+
+
+def _run_backward_barrier_case(q, k, v, rng, sources, options):
+    """The backward's barrier case: max error of dq, dk, dv against the float64 oracle."""
+    from oracle import reference_attention_backward
+
+    from cuonline.engines import cuda_backward
+    from cuonline.engines.target import overrides
+    dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(q.dtype)
+    out, lse = reference_attention(q, k, v)
+    # lse in float32 at least: a float16 lse would move every weight by ~1e-3
+    lse = lse.astype(np.result_type(q.dtype, np.float32))
+    with overrides(kernel_sources=sources, emulate_options=options):
+        got = cuda_backward.gradients(problem_of("emulate", q, k, v), dout,
+                                      out.astype(q.dtype), lse)
+    want = reference_attention_backward(dout, q, k, v)
+    errors = [float(np.abs(got[n] - want[n]).max()) for n in ("dq", "dk", "dv")]
+    return max(errors) if all(np.isfinite(got[n]).all() for n in ("dq", "dk", "dv")) else (
+        float("inf"))

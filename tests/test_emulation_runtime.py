@@ -60,6 +60,28 @@ def test_block_sum_through_shared_memory(basic, threads):
     np.testing.assert_array_equal(out, padded.reshape(5, threads).sum(axis=1))
 
 
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_launch_keeps_no_fiber_stacks_mapped():
+    # Every emulated module is a library of its own; stacks kept per module after a launch
+    # (two mappings each, the guard page splits them) added up over a test run to the kernel's
+    # limit of 65,530 mappings. A launch now unmaps its stacks when it returns. A module of its
+    # own (the comment), loaded before counting, launched here first.
+    module = emulate.compile_module(_source("basic.cu") + "\n// fiber stack mappings\n",
+                                    mode="fibers")
+    threads = 256
+    x = np.zeros(threads, np.float32)
+    out = np.zeros(1, np.float32)
+    function = module.get_function("block_sum")
+    before = _memory_mappings()
+    function(1, threads, (x, out, np.int32(threads)))
+    assert _memory_mappings() - before < threads // 4
+
+
 def _shuffle_oracle(kind: str, b: int, width: int, nthreads: int, values: np.ndarray):
     """The CUDA programming guide's description, written independently of the PTX formula."""
     out = np.empty_like(values)

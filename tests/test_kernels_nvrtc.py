@@ -13,7 +13,8 @@ from support import needs_nvrtc
 
 from cuonline.kernels import families, source
 from cuonline.toolchain import nvrtc
-from cuonline.kernels.heuristics import SMEM_OPT_IN_LIMIT, arch_number, simt_smem_limit
+from cuonline.kernels.heuristics import (SMEM_OPT_IN_LIMIT, arch_number, bwd_smem_limit,
+                                         simt_smem_limit, simt_smem_opt_in_limit)
 
 pytestmark = needs_nvrtc
 
@@ -36,16 +37,22 @@ def test_variant_compiles_without_spills(spec, arch):
         assert k.registers <= 255
     # SIMT blocks stay small enough for two per sm_80 SM; tensor-core blocks opt in to more
     # (their tiles are 16-bit or the accumulators are in registers) but must fit an sm_80 SM.
-    # SIMT blocks also fit sm_75's 64 KiB opt-in limit where they are listed for it.
-    limit = (SMEM_OPT_IN_LIMIT["sm_80"] if spec.family == "attention_fwd_mma"
+    # SIMT blocks also fit sm_75's 64 KiB opt-in limit where they are listed for it; with
+    # rel_qk's staging they may take the arch's whole opt-in limit (one block per SM).
+    tensor_core = spec.family in ("attention_fwd_mma", "attention_bwd_mma")
+    limit = (SMEM_OPT_IN_LIMIT["sm_80"] if tensor_core
+             else simt_smem_opt_in_limit(arch) if "rel_qk" in getattr(spec, "features", ())
              else simt_smem_limit(arch))
+    if spec.family == "attention_bwd_simt":
+        # the backward opts in where one row per warp needs it (float64 D = 256 on sm_80+)
+        limit = bwd_smem_limit(arch)
     assert spec.shared_bytes <= limit
 
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_75"])
 def test_older_archs_list_only_the_families_that_run_there(arch):
     specs = families.listing_specs(arch)
-    assert {s.family for s in specs} == {"attention_fwd_simt", "softmax"}
+    assert {s.family for s in specs} == {"attention_fwd_simt", "attention_bwd_simt", "softmax"}
     # every dtype has SIMT attention variants there (the tensor-core dtypes included)
     assert {s.dtype for s in specs if s.family == "attention_fwd_simt"} == {
         "float16", "bfloat16", "float32", "float64"}

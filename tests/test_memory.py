@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
+from support import peak_traced_bytes
 
 import cuonline
 
 
 def peak_extra_bytes(fn):
-    # one small call first: the first call of a process compiles the tile kernel (numba),
-    # a one-time cost that is not the call's working memory
     x = np.zeros((2, 8, 4), dtype=np.float32)
-    cuonline.attention(x, x, x, causal=True)
-    cuonline.attention(x.astype(np.float64), x.astype(np.float64), x.astype(np.float64))
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        result = fn()
-        return tracemalloc.get_traced_memory()[1] - base, result
-    finally:
-        tracemalloc.stop()
+    x64 = x.astype(np.float64)
+    return peak_traced_bytes(fn, warm_up=(lambda: cuonline.attention(x, x, x, causal=True),
+                                          lambda: cuonline.attention(x64, x64, x64)))
 
 
 def test_scores_and_broadcast_bias_never_materialised():

@@ -8,11 +8,10 @@ The CUDA kernels' side is tests/test_kernel_terms.py.
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 from oracle import reference_attention
+from support import peak_traced_bytes
 
 import cuonline
 from cuonline.engines import numpy as numpy_engine
@@ -204,15 +203,8 @@ def test_toeplitz_views_are_read_not_expanded():
 
 def _peak_extra_bytes(fn):
     x = np.zeros((1, 8, 4), dtype=np.float32)
-    cuonline.attention(x, x, x, rel_q=x[0], rel_k=np.zeros((3, 4), np.float32))   # compile
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        result = fn()
-        return tracemalloc.get_traced_memory()[1] - base, result
-    finally:
-        tracemalloc.stop()
+    return peak_traced_bytes(fn, warm_up=(lambda: cuonline.attention(
+        x, x, x, rel_q=x[0], rel_k=np.zeros((3, 4), np.float32)),))
 
 
 @pytest.mark.slow
@@ -256,3 +248,16 @@ def test_block_bias_on_whole_and_partial_column_blocks(monkeypatch):
         out = cuonline.attention(q, k, v, bias=coarse, bias_block=block)
         ref, _ = reference_attention(q, k, v, bias=coarse, bias_block=block)
         np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)
+
+
+def test_cuda_limits_of_the_relative_terms_are_checked_before_any_work():
+    # no compiler needed: validation refuses before a kernel is planned
+    _, q, k, v = case(0, batch=())
+    with pytest.raises(ValueError, match=r"Dr up to 256, got Dr = 257"):
+        cuonline.attention(q, k, v, rel_q=np.zeros((45, 257)), rel_k=np.zeros((3, 257)),
+                           backend="emulate")
+    huge = np.broadcast_to(np.zeros(1), (2**31 + 1,))      # a zero-stride table: no memory
+    with pytest.raises(ValueError, match=r"`rel_bias` with R = 2147483649"):
+        cuonline.attention(q, k, v, rel_bias=huge, backend="emulate")
+    # the NumPy engine takes both
+    assert cuonline.attention(q, k, v, rel_bias=huge).shape == (45, 5)

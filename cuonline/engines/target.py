@@ -48,7 +48,8 @@ class Target:
         ``(family, dtype, D bucket) -> tiles`` (see :mod:`cuonline.kernels.tuning`); empty: the
         built-in tiles.
     family : str or None
-        Forces an attention forward family by name (tests, ``tune``); None: the dispatcher.
+        Forces an attention family by name (tests, ``tune``): a forward family, or
+        ``"attention_bwd_simt"`` for the backward; None: the dispatchers.
     n_splits : int or None
         Forces the number of key splits; None: the planner decides.
     kernel_sources : Mapping or None

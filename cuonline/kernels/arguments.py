@@ -14,23 +14,26 @@ import numpy as np
 
 from .. import _semantics
 
-__all__ = ["ATTENTION_FWD_SIGNATURE", "COMBINE_SIGNATURE", "OPERANDS", "SOFTMAX_SIGNATURE",
-           "UNBOUNDED", "attention_fwd_arguments", "combine_arguments", "cp_async_aligned",
-           "softmax_arguments"]
+__all__ = ["ATTENTION_BWD_SIGNATURE", "ATTENTION_FWD_SIGNATURE", "COMBINE_SIGNATURE", "OPERANDS",
+           "SOFTMAX_SIGNATURE", "UNBOUNDED", "attention_bwd_arguments", "attention_fwd_arguments",
+           "combine_arguments", "cp_async_aligned", "softmax_arguments",
+           "view_cp_async_aligned"]
 
 #: Window sides at or beyond this are "unbounded" for the kernel (64-bit arithmetic, no overflow).
 UNBOUNDED = 1 << 60
-#: Operand order of the kernel's ``offsets`` (nbatch, 5) and ``strides`` (5, 2) arrays.
-OPERANDS = ("q", "k", "v", "bias", "mask")
+#: Operand order of the kernel's ``offsets`` (nbatch, 8) and ``strides`` (8, 2) arrays
+#: (``operand::`` in attention_score.cuh). ``rel_bias`` goes as one row: (1, R) per batch element.
+OPERANDS = ("q", "k", "v", "bias", "mask", "rel_bias", "rel_q", "rel_k")
 #: cp.async moves 16-byte chunks: rows and data pointers must be aligned to this.
 CP_ASYNC_BYTES = 16
 
 #: Parameters of ``cuonline_attention_fwd`` and ``cuonline_attention_mma`` (one signature), in
 #: order; the feature table names its kernel arguments among these.
 ATTENTION_FWD_SIGNATURE = (
-    "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "out", "lse", "offsets",
-    "strides", "lq", "lk", "diagonal_offset", "scale", "softcap", "window_left", "window_right",
-    "split_keys",
+    "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
+    "out", "lse", "offsets", "strides", "lq", "lk", "diagonal_offset", "scale", "softcap",
+    "window_left", "window_right", "split_keys", "bias_block_rows", "bias_block_cols",
+    "rel_bias_radius", "rel_k_radius",
 )
 #: Parameters of ``cuonline_attention_combine``.
 COMBINE_SIGNATURE = ("ws_out", "ws_lse", "out", "lse", "nrows", "n_splits")
@@ -81,18 +84,33 @@ def cp_async_aligned(p) -> bool:
     the data pointer, every batch offset and the row stride whole multiples of 16 bytes (the
     same views :func:`attention_fwd_arguments` passes; a view needing a copy there is
     contiguous)."""
-    for name in ("q", "k", "v"):
-        x = getattr(p, name)
-        itemsize = x.dtype.itemsize
-        offsets = _element_offsets(x, p.batch_shape)
-        if offsets is None or x.strides[-1] != itemsize:
-            return False
-        chunk = CP_ASYNC_BYTES // itemsize
-        if _data_address(x) % CP_ASYNC_BYTES or (x.strides[-2] // itemsize) % chunk:
-            return False
-        if offsets.size and np.any(offsets % chunk):
-            return False
-    return True
+    return all(view_cp_async_aligned(getattr(p, name), p.batch_shape) for name in ("q", "k", "v"))
+
+
+def view_cp_async_aligned(x, batch_shape) -> bool:
+    """Whether view ``x`` (broadcast to ``batch_shape + (rows, cols)``) can go global ->
+    shared by 16-byte cp.async (see :func:`cp_async_aligned`; the backward asks it of dout
+    too)."""
+    itemsize = x.dtype.itemsize
+    offsets = _element_offsets(x, batch_shape)
+    if offsets is None or x.strides[-1] != itemsize:
+        return False
+    chunk = CP_ASYNC_BYTES // itemsize
+    if _data_address(x) % CP_ASYNC_BYTES or (x.strides[-2] // itemsize) % chunk:
+        return False
+    return not (offsets.size and np.any(offsets % chunk))
+
+
+#: The kernels index the relative tables in 32 bits (row = radius + clipped delta <= 2 radius):
+#: radius (R - 1) / 2 below 2**30.
+MAX_REL_RADIUS = 2**30 - 1
+
+
+def _radius(radius, name):
+    if radius > MAX_REL_RADIUS:
+        raise ValueError(f"`{name}` must have at most {2 * MAX_REL_RADIUS + 1} relative "
+                         f"positions on the CUDA engine, got {2 * radius + 1}")
+    return np.int32(radius)
 
 
 def attention_fwd_arguments(p, plan, out, lse):
@@ -109,6 +127,15 @@ def attention_fwd_arguments(p, plan, out, lse):
     arrays, offsets, strides = {}, [], []
     for name in OPERANDS:
         x = getattr(p, name)
+        if name == "rel_bias" and x is not None:
+            if x.strides[-1] != x.dtype.itemsize:
+                # the kernels read rel_bias rows with unit stride (attention_score.cuh)
+                x = xp.ascontiguousarray(x)
+            x = x[..., None, :]              # batch_shape + (1, R): a view, one row
+        if name == "rel_q" and p.dr == 0:
+            x = None                         # Dr = 0: the term is 0, no variant reads it
+        if name == "rel_k" and p.dr == 0:
+            x = None
         if x is None:
             arrays[name] = None
             offsets.append(np.zeros(nbatch, dtype=np.int64))
@@ -117,8 +144,8 @@ def attention_fwd_arguments(p, plan, out, lse):
         arrays[name], off, st = _operand(xp, x, p.batch_shape)
         offsets.append(off)
         strides.append(st)
-    offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)  # (nbatch, 5)
-    strides = np.asarray(strides, dtype=np.int64).reshape(len(OPERANDS), 2)   # (5, 2)
+    offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)  # (nbatch, 8)
+    strides = np.asarray(strides, dtype=np.int64).reshape(len(OPERANDS), 2)   # (8, 2)
     if xp is not np:
         offsets, strides = xp.asarray(offsets), xp.asarray(strides)
     if arrays["mask"] is not None and xp is np:
@@ -128,6 +155,9 @@ def attention_fwd_arguments(p, plan, out, lse):
     kv_lengths, slopes = (None if x is None else xp.ascontiguousarray(xp.reshape(x, (-1,)))
                           for x in (p.kv_lengths, p.alibi_slopes))
     left, right = p.window
+    # a block taller (wider) than the queries (keys) is one block: clipped, the sizes fit int32
+    rows, cols = p.bias_block if p.bias_block is not None else (1, 1)
+    rows, cols = min(rows, max(p.lq, 1)), min(cols, max(p.lk, 1))
     values = dict(
         arrays, kv_lengths=kv_lengths, alibi_slopes=slopes, out=out, lse=lse,
         offsets=offsets, strides=strides, lq=np.int32(p.lq), lk=np.int32(p.lk),
@@ -136,6 +166,9 @@ def attention_fwd_arguments(p, plan, out, lse):
         window_left=np.int64(UNBOUNDED if left is None else left),
         window_right=np.int64(UNBOUNDED if right is None else right),
         split_keys=np.int64(plan.split_keys),
+        bias_block_rows=np.int32(rows), bias_block_cols=np.int32(cols),
+        rel_bias_radius=_radius(p.rel_bias_radius, "rel_bias"),
+        rel_k_radius=_radius(p.rel_k_radius, "rel_k"),
     )
     return tuple(values[name] for name in ATTENTION_FWD_SIGNATURE)
 
@@ -170,3 +203,51 @@ def softmax_arguments(xp, x, mask, out, plan, scale):
         np.int64(x.shape[-1]), *(np.int64(s[-1]) for s in steps),
         np.int32(plan.rows_per_block), acc(scale),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the attention backward (issue 13): attention_bwd_simt
+
+#: Parameters of ``cuonline_attention_bwd_dkdv`` and ``cuonline_attention_bwd_dq`` (one
+#: signature), in order. The forward's operands, options and scalars keep their forward names
+#: and values (:func:`attention_fwd_arguments` builds them); the offset table gains a column.
+ATTENTION_BWD_SIGNATURE = (
+    "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
+    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "offsets", "strides", "lq", "lk",
+    "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
+    "bias_block_cols", "rel_bias_radius", "rel_k_radius",
+)
+
+
+class _NoSplit:
+    """The part of a forward plan :func:`attention_fwd_arguments` reads: no key split."""
+
+    def __init__(self, lk):
+        self.split_keys = lk
+
+
+def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
+    """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
+    typed.
+
+    ``p`` is the forward :class:`cuonline._validate.Problem`; ``dout`` a view broadcast to
+    ``batch_shape + (lq, dv)`` (any strides: addressed through the offset table's last
+    column, after the forward's :data:`OPERANDS`); ``lse`` and ``delta`` contiguous
+    ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds`` and
+    ``dc`` ``(nbatch, lq, lk)`` or None, all in the accumulation dtype.
+    """
+    xp = p.xp
+    forward = dict(zip(ATTENTION_FWD_SIGNATURE,
+                       attention_fwd_arguments(p, _NoSplit(p.lk), None, None)))
+    dout, off, st = _operand(xp, dout, p.batch_shape)
+    if xp is not np:
+        off, st = xp.asarray(off), xp.asarray(np.asarray(st, dtype=np.int64))
+    # (nbatch, len(OPERANDS) + 1) and (len(OPERANDS) + 1, 2): dout's column and row last
+    offsets = xp.ascontiguousarray(
+        xp.concatenate([forward["offsets"], xp.reshape(off, (-1, 1))], axis=1))
+    strides = xp.ascontiguousarray(
+        xp.concatenate([forward["strides"], xp.reshape(xp.asarray(st, dtype=np.int64), (1, 2))],
+                       axis=0))
+    values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds, dc=dc,
+                  offsets=offsets, strides=strides)
+    return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)

@@ -17,10 +17,11 @@ from typing import Callable
 
 from . import arguments, features, heuristics, softmax_plan
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
-from .specs import (SOFTMAX_MODES, AttentionMmaSpec, AttentionSimtSpec, SoftmaxSpec, acc_name)
+from .specs import (SOFTMAX_MODES, AttentionBwdMmaSpec, AttentionBwdSimtSpec, AttentionMmaSpec,
+                    AttentionSimtSpec, SoftmaxSpec, acc_name)
 
-__all__ = ["FAMILIES", "Family", "entries_of", "files_of", "forward_families", "get", "of",
-           "listing_specs", "plan_attention", "select_forward"]
+__all__ = ["FAMILIES", "Family", "backward_family", "entries_of", "files_of", "forward_families",
+           "get", "of", "listing_specs", "plan_attention", "select_forward"]
 
 #: Pasted first into every family's text: online-softmax state, warp reductions, PTX helpers.
 COMMON_HEADER = "common.cuh"
@@ -72,20 +73,27 @@ class Family:
 # listing entries: a representative set of the variants the dispatcher selects on an arch
 
 
+#: The rel_q/rel_k width of the listed rel_qk variants (Enformer-style relative keys).
+LISTING_DR = 64
+
+
 def _simt(dtype, d, dv, lq, *, arch, features=(), split=False):
+    dr = LISTING_DR if "rel_qk" in features else 0
     try:
-        warps, rows, keys = heuristics.choose_tiles(dtype, d, dv, lq, nbatch=32, arch=arch)
+        warps, rows, keys = heuristics.choose_tiles(dtype, d, dv, lq, nbatch=32, arch=arch,
+                                                    dr=dr)
     except ValueError:
         return None   # does not fit this arch's shared memory: the planner refuses it too
     return AttentionSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
                              rows_per_warp=rows, keys_per_lane=keys, features=features,
-                             split=split)
+                             split=split, dr=dr)
 
 
 def _mma(dtype, d, dv, lq, *, arch, cp_async=True, features=(), split=False):
-    tiles = heuristics.choose_mma_tiles(dtype, d, dv, lq, arch)
+    dr = LISTING_DR if "rel_qk" in features else 0
+    tiles = heuristics.choose_mma_tiles(dtype, d, dv, lq, arch, dr=dr)
     return AttentionMmaSpec(dtype=dtype, d=d, dv=dv, cp_async=cp_async, **tiles._asdict(),
-                            features=features, split=split)
+                            features=features, split=split, dr=dr)
 
 
 def _names(family):
@@ -162,6 +170,67 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
     return specs
 
 
+def _bwd(dtype, d, dv, *, arch, features=()):
+    dr = LISTING_DR if "rel_qk" in features else 0
+    try:
+        warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr)
+    except ValueError:
+        return None   # does not fit this arch's shared memory: the planner refuses it too
+    return AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
+                                rows_per_warp=rows, items_per_lane=per,
+                                write_ds=heuristics.bwd_writes_ds(features), features=features,
+                                dr=dr)
+
+
+def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
+    """SIMT backward family (every arch): every dtype x D in {32, 64, 128, 256} without
+    options (float64 D = 256 only where it fits), float32 D = 64 with Dv = 2 D and with each
+    option alone, every option together (with either soft cap) for float32 and float16 at
+    D = 64 and float64 at D = 128."""
+    names = features.BACKWARD_FEATURES
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d in (32, 64, 128, 256):
+            specs.append(_bwd(dtype, d, d, arch=arch))
+    specs.append(_bwd("float32", 64, 128, arch=arch))
+    for name in names:
+        specs.append(_bwd("float32", 64, 64, arch=arch, features=_alone(name)))
+    for dtype, d in (("float32", 64), ("float16", 64), ("float64", 128)):
+        for together in _together(names):
+            specs.append(_bwd(dtype, d, d, arch=arch, features=together))
+    return specs
+
+
+def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
+    dr = LISTING_DR if "rel_qk" in features else 0
+    warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr)
+    return AttentionBwdMmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_c=block_c,
+                               cp_async=cp_async, write_ds=heuristics.bwd_writes_ds(features),
+                               features=features, dr=dr)
+
+
+def _bwd_mma_listing(arch: str = DEFAULT_ARCH) -> list:
+    """Tensor-core backward family (sm_80 and newer; none below): float16 and bfloat16 x D
+    in {32, 64, 128}, float32 (TF32) and float64 x D in {32, 64}, without options; float16
+    D = 64 with Dv = 2 D, with each option alone and with the element-wise loader; every
+    option together at float16 D = 64 and 128, TF32 D = 64 and float64 D = 64."""
+    if not heuristics.mma_supported(arch):
+        return []
+    names = features.MMA_BACKWARD_FEATURES
+    specs = [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float16", "bfloat16")
+             for d in (32, 64, 128)]
+    specs += [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float32", "float64")
+              for d in (32, 64)]
+    specs.append(_bwd_mma("float16", 64, 128, arch=arch))
+    specs.append(_bwd_mma("float16", 64, 64, arch=arch, cp_async=False, features=("window",)))
+    for name in names:
+        specs.append(_bwd_mma("float16", 64, 64, arch=arch, features=_alone(name)))
+    for dtype, d in (("float16", 64), ("float16", 128), ("float32", 64), ("float64", 64)):
+        for together in _together(names):
+            specs.append(_bwd_mma(dtype, d, d, arch=arch, features=together))
+    return specs
+
+
 def _softmax_listing(arch: str = DEFAULT_ARCH) -> list:
     """Softmax family: every variant (dtype x mode x mask; launch shapes are runtime
     parameters)."""
@@ -196,6 +265,21 @@ ATTENTION_FWD_MMA = Family(
     arguments=arguments.attention_fwd_arguments, listing=_mma_listing,
     includes=(ATTENTION_COMBINE,), runs=heuristics.uses_mma,
 )
+ATTENTION_BWD_SIMT = Family(
+    name=AttentionBwdSimtSpec.family, source="attention_bwd_simt.cu",
+    headers=(COMMON_HEADER, "attention_score.cuh"),
+    entries=("cuonline_attention_bwd_dkdv", "cuonline_attention_bwd_dq"),
+    spec=AttentionBwdSimtSpec, planner=heuristics.plan_bwd_simt,
+    arguments=arguments.attention_bwd_arguments, listing=_bwd_listing,
+)
+ATTENTION_BWD_MMA = Family(
+    name=AttentionBwdMmaSpec.family, source="attention_bwd_mma.cu",
+    headers=(COMMON_HEADER, "tensor_core.cuh", "mma_fragments.cuh", "mma_tile_load.cuh",
+             "attention_score.cuh"),
+    entries=("cuonline_attention_bwd_mma_dkdv", "cuonline_attention_bwd_mma_dq"),
+    spec=AttentionBwdMmaSpec, planner=heuristics.plan_bwd_mma,
+    arguments=arguments.attention_bwd_arguments, listing=_bwd_mma_listing,
+)
 SOFTMAX = Family(
     name=SoftmaxSpec.family, source="softmax.cu", headers=(COMMON_HEADER,),
     entries=("cuonline_softmax", "cuonline_softmax_partial", "cuonline_softmax_finish"),
@@ -204,7 +288,8 @@ SOFTMAX = Family(
 )
 
 #: Every kernel family, in listing order.
-FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, SOFTMAX)
+FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, ATTENTION_BWD_SIMT,
+            ATTENTION_BWD_MMA, SOFTMAX)
 _BY_NAME = {f.name: f for f in FAMILIES}
 assert set(features.FORWARD_FAMILIES) == {f.name for f in FAMILIES if f.runs is not None}
 
@@ -245,6 +330,14 @@ def select_forward(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> Fami
     """The forward family the dispatcher runs for these parameters on ``arch``."""
     (family,) = [f for f in forward_families() if f.runs(dtype, d, dv, precision, arch)]
     return family
+
+
+def backward_family(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest") -> Family:
+    """The backward family for a backward of these parameters (options ``names``) on ``arch``:
+    the tensor-core one where :func:`cuonline.kernels.heuristics.bwd_uses_mma` says so, else
+    the SIMT one."""
+    return (ATTENTION_BWD_MMA if heuristics.bwd_uses_mma(dtype, d, dv, names, arch, precision)
+            else ATTENTION_BWD_SIMT)
 
 
 def plan_attention(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["FEATURES", "FORWARD_FAMILIES", "Feature", "by_name", "of_problem", "supported_by",
-           "with_required"]
+__all__ = ["BACKWARD_FAMILIES", "BACKWARD_FEATURES", "FEATURES", "FORWARD_FAMILIES",
+           "Feature", "MMA_BACKWARD_FEATURES", "backward_of_problem", "by_name", "of_problem",
+           "supported_by", "with_required"]
 
 #: The attention forward families (names as in :mod:`cuonline.kernels.families`). Named here
 #: as the families each option supports; the registry checks that every name is registered.
@@ -58,11 +59,22 @@ FEATURES = (
     Feature("window", lambda p: p.has_window, "CUONLINE_HAS_WINDOW",
             ("window_left", "window_right")),
     Feature("bias", lambda p: p.bias is not None, "CUONLINE_HAS_BIAS", ("bias",)),
+    # the bias is coarse: (i, j) reads its element (i // r, j // c) (``bias_block=(r, c)``)
+    Feature("bias_block", lambda p: p.bias_block is not None, "CUONLINE_HAS_BIAS_BLOCK",
+            ("bias_block_rows", "bias_block_cols"), requires=("bias",)),
     Feature("mask", lambda p: p.mask is not None, "CUONLINE_HAS_MASK", ("mask",)),
     Feature("kv_lengths", lambda p: p.kv_lengths is not None, "CUONLINE_HAS_KV_LENGTHS",
             ("kv_lengths",)),
     Feature("alibi", lambda p: p.alibi_slopes is not None, "CUONLINE_HAS_ALIBI",
             ("alibi_slopes",)),
+    # Toeplitz bias rel_bias[rb + clip(delta, -rb, rb)] (``rel_bias``)
+    Feature("rel_bias", lambda p: p.rel_bias is not None, "CUONLINE_HAS_REL_BIAS",
+            ("rel_bias", "rel_bias_radius")),
+    # rel_q[i] . rel_k[rk + clip(delta, -rk, rk)] added to the content score (``rel_q``,
+    # ``rel_k``); its width Dr is a compile-time constant of the spec (``dr``), like D
+    # (Dr = 0 adds exactly 0: no variant of its own)
+    Feature("rel_qk", lambda p: p.rel_q is not None and p.dr > 0, "CUONLINE_HAS_REL_QK",
+            ("rel_q", "rel_k", "rel_k_radius")),
     Feature("softcap", lambda p: p.softcap is not None, "CUONLINE_HAS_SOFTCAP", ("softcap",)),
     # the soft cap applies to the whole logit, after bias and ALiBi (``softcap_bias=True``)
     Feature("softcap_bias", lambda p: p.softcap_bias, "CUONLINE_SOFTCAP_BIAS", ("softcap",),
@@ -102,4 +114,33 @@ def of_problem(problem, family: str) -> tuple:
     missing = [n for n in names if family not in _BY_NAME[n].families]
     if missing:
         raise ValueError(f"kernel family {family!r} does not support {', '.join(missing)}")
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# the attention backward (issue 13)
+
+#: The attention backward families (names as in :mod:`cuonline.kernels.families`).
+BACKWARD_FAMILIES = ("attention_bwd_simt", "attention_bwd_mma")
+#: The rows of :data:`FEATURES` whose gradients the backward kernels give: the score
+#: pipeline's terms whose gradient is dS itself (bias, block bias, rel_bias: reduced from dS on
+#: the host), rel_qk (rel_q / rel_k from the content gradient dC, on the host) and those that
+#: have none (window, mask, kv_lengths, ALiBi, the soft caps' constants). Not return_lse (an
+#: input of the backward).
+BACKWARD_FEATURES = ("window", "bias", "bias_block", "mask", "kv_lengths", "alibi", "rel_bias",
+                     "rel_qk", "softcap", "softcap_bias")
+#: Those the tensor-core backward (``attention_bwd_mma``) compiles in; a call with another one
+#: (the soft cap of the whole logit) runs on ``attention_bwd_simt``.
+MMA_BACKWARD_FEATURES = tuple(n for n in BACKWARD_FEATURES if n != "softcap_bias")
+
+
+def backward_of_problem(problem) -> tuple:
+    """Names of the features a backward call of ``problem`` needs, in key order (never
+    ``return_lse``); ValueError naming those the backward kernels do not support."""
+    names = tuple(f.name for f in FEATURES if f.name != "return_lse" and f.of_problem(problem))
+    missing = [n for n in names if n not in BACKWARD_FEATURES]
+    if missing:
+        raise ValueError(f"the CUDA engine's attention backward (kernel family "
+                         f"{BACKWARD_FAMILIES[0]!r}) does not support {', '.join(missing)} yet; "
+                         f"use backend='numpy' for these gradients")
     return names

@@ -18,10 +18,13 @@ import numpy as np
 from . import features
 from .specs import MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name, dtype_name
 
-__all__ = ["COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES", "MmaTiles",
-           "Plan", "arch_number", "choose_mma_tiles", "choose_splits", "choose_tiles",
+__all__ = ["BwdPlan", "COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES",
+           "MmaTiles", "Plan", "arch_number", "bwd_smem_limit", "bwd_uses_mma",
+           "choose_bwd_mma_tiles", "choose_bwd_tiles", "plan_bwd_mma",
+           "plan_bwd_simt", "choose_mma_tiles", "choose_splits", "choose_tiles",
            "combine_launch", "d_bucket", "mma_supported", "plan_mma", "plan_simt",
-           "simt_smem_limit", "tuned_tiles", "uses_mma"]
+           "relative_dr", "simt_smem_limit", "simt_smem_opt_in_limit", "tuned_tiles",
+           "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
 WARPS = 4
@@ -137,6 +140,12 @@ def simt_smem_limit(arch: str = DEFAULT_ARCH) -> int:
     return min(SMEM_MAX, SMEM_OPT_IN_LIMIT_SIMT_ONLY.get(arch, SMEM_MAX))
 
 
+def simt_smem_opt_in_limit(arch: str = DEFAULT_ARCH) -> int:
+    """All the dynamic shared memory a SIMT block may opt into on ``arch`` (one block per SM):
+    the SIMT-only archs' limits, else the tensor-core archs' (:func:`mma_smem_limit`)."""
+    return SMEM_OPT_IN_LIMIT_SIMT_ONLY.get(arch) or mma_smem_limit(arch)
+
+
 def mma_smem_limit(arch: str) -> int:
     """Dynamic shared memory a tensor-core block may opt into on ``arch``."""
     base = f"sm_{arch_number(arch)}"
@@ -182,16 +191,26 @@ class Plan:
     shared_bytes: int
 
 
-def _shared_bytes(block_m, block_n, d, dv, acc_bytes):
-    return (block_m * d + block_n * (max(d, dv) + 1)) * acc_bytes
+def _shared_bytes(block_m, block_n, d, dv, acc_bytes, dr=0):
+    # AttentionSimtSpec.shared_bytes: sQ, sKV, and with rel_qk the rel_q rows and rel_k band
+    rel = (2 * block_m + block_n - 1) * (dr + 1) if dr else 0
+    return (block_m * d + block_n * (max(d, dv) + 1) + rel) * acc_bytes
+
+
+def relative_dr(problem) -> int:
+    """The ``dr`` of a spec for ``problem``: its rel_q/rel_k width where the rel_qk feature
+    applies (:data:`cuonline.kernels.features.FEATURES`), else 0."""
+    return problem.dr if features.by_name("rel_qk").of_problem(problem) else 0
 
 
 def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None,
-                 arch=DEFAULT_ARCH):
+                 arch=DEFAULT_ARCH, dr=0):
     """Return ``(warps, rows_per_warp, keys_per_lane)`` for one problem shape.
 
     ``arch`` bounds the block's shared memory (:func:`simt_smem_limit`); a shape that cannot
     fit it even with one row per warp (float64 heads above 226 on sm_75) raises ValueError.
+    ``dr``: the width of rel_q/rel_k (0 without them), whose staged copies take shared memory
+    too.
 
     ``tuned``: winners stored by ``python -m cuonline tune`` (see :func:`tuned_tiles`); one for
     this dtype and D bucket replaces the built-in choice for long sequences (it was measured at
@@ -205,7 +224,13 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
         warps, rows, keys = winner
         while rows > 2 and nbatch * math.ceil(lq / (warps * rows)) < 2 * num_sms:
             rows //= 2
-        return warps, rows, keys
+        # the winner was measured without rel_qk: its staging may not fit beside it
+        limit = simt_smem_limit(arch)
+        acc_bytes = np.dtype(acc_name(name)).itemsize
+        while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
+            rows //= 2
+        if _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) <= limit:
+            return warps, rows, keys
     acc_bytes = np.dtype(acc_name(name)).itemsize
     words = acc_bytes // 4
     cols = math.ceil(dv / 32)
@@ -235,20 +260,25 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     # use them while the block stays within the no-opt-in shared budget and the scores stay
     # within 16 registers (double scores take two; sm_80's ptxas spilled f64 8x2 at d=32).
     keys = 2
-    if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes) > SMEM_NO_OPT_IN
+    if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes, dr) > SMEM_NO_OPT_IN
             or rows * 2 * words > 16):
         keys = 1
     # Large heads in double: shrink the query tile until the block fits next to another one
     # (and within the arch's opt-in limit: sm_75 allows 64 KiB).
     limit = simt_smem_limit(arch)
-    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes) > limit:
+    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
         rows //= 2
-    need = _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes)
+    need = _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr)
+    if need > limit and dr:
+        # rel_qk's staging beside the largest heads (float64 D = 256 at one row: 85 KiB): one
+        # block per SM, up to the arch's opt-in limit, rather than refusing the call
+        limit = simt_smem_opt_in_limit(arch)
     if need > limit:
+        rel = f", Dr = {dr}" if dr else ""
         raise ValueError(
-            f"{name} attention with D = {d}, Dv = {dv} needs {need} bytes of shared memory per "
-            f"block on the CUDA engine, more than {arch}'s {limit}; use backend='numpy' or a "
-            f"smaller head dimension"
+            f"{name} attention with D = {d}, Dv = {dv}{rel} needs {need} bytes of shared memory "
+            f"per block on the CUDA engine, more than {arch}'s {limit}; use backend='numpy' or "
+            f"a smaller head dimension"
         )
     return warps, rows, keys
 
@@ -272,11 +302,13 @@ def uses_mma(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> bool:
     return max(d, dv) <= limit
 
 
-def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
+def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None, dr=0):
     """Return the :class:`MmaTiles` of the tensor-core family for one problem shape.
 
     ``tuned``: winners stored by ``python -m cuonline tune`` for the current GPU (see
     :func:`tuned_tiles`); one for this dtype and D bucket comes before :data:`MMA_TILES`.
+    ``dr``: the width of rel_q/rel_k (0 without them), whose staged copies (accumulation type)
+    take shared memory too.
     """
     name = dtype_name(dtype)
     limit = mma_smem_limit(arch)
@@ -288,10 +320,26 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None):
     tiles = MmaTiles(*(winner or MMA_TILES[(table, name, d_bucket(width))]))
     # An arch with less shared memory than its table's (sm_86, sm_89: 99 KiB against sm_80's
     # 163): fewer stages first (latency hiding), then narrower key tiles, until the block fits.
-    while (AttentionMmaSpec(dtype=name, d=d, dv=dv, **tiles._asdict()).shared_bytes > limit
-           and (tiles.stages > 1 or tiles.block_n > 16)):
+    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+
+    def smem(tiles):
+        return AttentionMmaSpec(dtype=name, d=d, dv=dv, **tiles._asdict(), **rel).shared_bytes
+
+    while smem(tiles) > limit and (tiles.stages > 1 or tiles.block_n > 16):
         tiles = (tiles._replace(stages=tiles.stages - 1) if tiles.stages > 1
                  else tiles._replace(block_n=tiles.block_n // 2))
+    # rel_qk's staged rel_q rows and rel_k band grow with the query tile: then fewer rows
+    # (float64 at Dr = 256 with 64 rows needs 294 KiB)
+    while smem(tiles) > limit and (tiles.m_tiles > 1 or tiles.warps > 1):
+        tiles = (tiles._replace(m_tiles=1) if tiles.m_tiles > 1
+                 else tiles._replace(warps=tiles.warps // 2))
+    if smem(tiles) > limit:
+        # only a wide rel_q/rel_k on a small-memory arch gets here (float64, Dr = 256, sm_86)
+        raise ValueError(
+            f"{name} attention with D = {d}, Dv = {dv}, Dr = {dr} needs {smem(tiles)} bytes of "
+            f"shared memory per block on the tensor cores, more than {arch}'s {limit}; use "
+            f"backend='numpy' or a narrower rel_q/rel_k"
+        )
     # Few query rows: two query tiles per warp only when one per warp would fill the block
     # (else more warps, each with one tile, finish sooner; decoding: one warp, no idle tile,
     # and the key split fills the GPU), then no warp without a row.
@@ -353,13 +401,14 @@ def plan_simt(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=N
     loader reads any strides); it is taken so that every forward planner has one signature.
     """
     dtype = dtype_name(problem.dtype)
+    dr = relative_dr(problem)
     warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq, problem.nbatch,
-                                     num_sms, tuned, arch)
+                                     num_sms, tuned, arch, dr)
 
     def make_spec(**flags):
         return AttentionSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
                                  dv=problem.dv, warps=warps, rows_per_warp=rows,
-                                 keys_per_lane=keys, **flags)
+                                 keys_per_lane=keys, dr=dr, **flags)
 
     return _plan_forward(problem, AttentionSimtSpec.family, warps * rows, 32 * keys, make_spec,
                          num_sms, n_splits)
@@ -374,11 +423,205 @@ def plan_mma(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=No
         raise ValueError(f"family {AttentionMmaSpec.family!r} needs sm_{MIN_MMA_ARCH} or newer "
                          f"(mma.sync, cp.async), got arch {arch!r}")
     dtype = dtype_name(problem.dtype)
-    tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned)
+    dr = relative_dr(problem)
+    tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned, dr)
 
     def make_spec(**flags):
         return AttentionMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, cp_async=cp_async,
-                                **tiles._asdict(), **flags)
+                                **tiles._asdict(), dr=dr, **flags)
 
     return _plan_forward(problem, AttentionMmaSpec.family, 16 * tiles.m_tiles * tiles.warps,
                          tiles.block_n, make_spec, num_sms, n_splits)
+
+
+# --------------------------------------------------------------------------------------------
+# the attention backward (issue 13): attention_bwd_simt
+
+
+def bwd_smem_limit(arch: str = DEFAULT_ARCH) -> int:
+    """Dynamic shared memory a backward block may opt into on ``arch``: the SIMT-only archs'
+    limits (sm_70: 96 KiB, sm_75: 64 KiB), else the tensor-core archs' (sm_80: 163 KiB,
+    sm_90: 227 KiB, ...). :func:`choose_bwd_tiles` stays within :data:`SMEM_MAX` where it can."""
+    base = f"sm_{arch_number(arch)}"
+    if base in SMEM_OPT_IN_LIMIT_SIMT_ONLY:
+        return SMEM_OPT_IN_LIMIT_SIMT_ONLY[base]
+    return mma_smem_limit(arch)
+
+
+def _bwd_shared_bytes(block_r, block_c, d, dv, acc_bytes, dr=0):
+    # AttentionBwdSimtSpec.shared_bytes
+    rel = (max(block_r, block_c) + block_r + block_c - 1) * (dr + 1) if dr else 0
+    return (block_r * (d + dv) + block_c * (d + dv + 4) + rel) * acc_bytes
+
+
+def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
+    """Return ``(warps, rows_per_warp, items_per_lane)`` of the SIMT backward family.
+
+    A block owns ``warps * rows_per_warp`` rows (keys for dK/dV, queries for dQ) and streams
+    tiles of ``32 * items_per_lane`` rows of the other kind. Raises ValueError when even one
+    row per warp needs more shared memory than ``arch`` allows (float64 heads above 128 below
+    sm_80). ``dr``: the width of rel_q / rel_k (rel_qk), whose staging takes shared memory.
+    """
+    name = dtype_name(dtype)
+    acc_bytes = np.dtype(acc_name(name)).itemsize
+    words = acc_bytes // 4
+    warps = WARPS
+    # Rows per warp: each owned row keeps dK and dV (dK/dV kernel) in registers, ceil(D/32) +
+    # ceil(Dv/32) accumulators per lane; more rows reuse each streamed element read from shared
+    # memory for more FMAs. The forward's budget of 32 accumulator words, 8 rows at most (4 in
+    # double, as the forward: its scores take two registers each).
+    rows = 8 if words == 1 else 4
+    cols = math.ceil(d / 32) + math.ceil(dv / 32)
+    while rows > 1 and rows * cols * words > ACC_REGISTER_BUDGET:
+        rows //= 2
+    if dr and rows > 4:
+        # rel_qk: its dot per score and band offsets; at 8 rows the dQ kernel of float32
+        # D = 64 with every option held 253-254 registers on sm_80/sm_90 (NVRTC 13)
+        rows = 4
+    # Items per lane: 64-row streamed tiles halve the barriers per row while s and dP (two
+    # values per owned row and item) stay within 16 registers and the block within the
+    # no-opt-in budget.
+    per = 2
+    if (rows * per * 2 * words > 16 or _bwd_shared_bytes(warps * rows, 32 * per, d, dv,
+                                                         acc_bytes, dr) > SMEM_NO_OPT_IN):
+        per = 1
+    # Large heads: fewer owned rows until the block fits beside another one on an SM
+    # (SMEM_MAX), then, with one row per warp, the arch's opt-in limit.
+    while rows > 1 and _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes,
+                                         dr) > simt_smem_limit(arch):
+        rows //= 2
+    need = _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr)
+    limit = bwd_smem_limit(arch)
+    if need > limit:
+        raise ValueError(
+            f"{name} attention backward with D = {d}, Dv = {dv}"
+            f"{f', Dr = {dr}' if dr else ''} needs {need} bytes of shared "
+            f"memory per block on the CUDA engine, more than {arch}'s {limit}; use "
+            f"backend='numpy' or a smaller head dimension"
+        )
+    return warps, rows, per
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """A backward launch: the variant and the grids of its two kernels (same block and shared
+    memory), both over ``grid.x`` only."""
+
+    spec: object             # AttentionBwdSimtSpec
+    grid_dkdv: tuple         # nbatch * ceil(lk / block_r) blocks
+    grid_dq: tuple           # nbatch * ceil(lq / block_r) blocks
+    block: tuple
+    shared_bytes: int
+
+
+def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
+    """Plan the backward of :class:`cuonline._validate.Problem` ``problem`` (its forward
+    description) on the SIMT backward family. ``write_ds``: the dQ kernel writes dS for the
+    host's bias-gradient reductions (None: where a bias-type term is given,
+    :func:`bwd_writes_ds`). ValueError for an option the family does not support
+    (:func:`cuonline.kernels.features.backward_of_problem`) or a block that does not fit."""
+    from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
+
+    dtype = dtype_name(problem.dtype)
+    names = features.backward_of_problem(problem)
+    dr = problem.dr if "rel_qk" in names else 0
+    warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, arch, dr)
+    if write_ds is None:
+        write_ds = bwd_writes_ds(names)
+    spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
+                                dv=problem.dv, warps=warps, rows_per_warp=rows,
+                                items_per_lane=per, write_ds=write_ds, features=names, dr=dr)
+    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
+    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
+    if max(grid_dkdv, grid_dq) > MAX_GRID_X:
+        raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
+                         f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
+                         f"batch")
+    return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
+                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
+
+
+#: The backward features whose gradient the host reduces from dS (the dQ kernel writes it).
+BWD_DS_FEATURES = ("bias", "rel_bias")
+
+
+def bwd_writes_ds(names) -> bool:
+    """Whether a backward variant with features ``names`` writes dS (a bias-type gradient is
+    wanted: bias, block bias, rel_bias)."""
+    return any(n in BWD_DS_FEATURES for n in names)
+
+
+# --------------------------------------------------------------------------------------------
+# the attention backward on tensor cores: attention_bwd_mma
+
+
+def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest") -> bool:
+    """Whether the tensor-core backward family runs a backward of these parameters on
+    ``arch`` (else ``attention_bwd_simt``): sm_80 and newer, a dtype and head dims of
+    :data:`~cuonline.kernels.specs.MMA_BWD_MAX_HEAD_DIM` (the forward's rule: 16-bit inputs
+    and float64 always, float32 only with ``precision="tf32"``), and options ``names`` among
+    :data:`~cuonline.kernels.features.MMA_BACKWARD_FEATURES`. The engine also keeps calls
+    whose inputs hold a non-finite value on the SIMT family (see attention_bwd_mma.cu)."""
+    from .specs import MMA_BWD_MAX_HEAD_DIM  # noqa: PLC0415 - the backward's own table
+
+    if not mma_supported(arch):
+        return False
+    name = dtype_name(dtype)
+    if name == "float32" and precision != "tf32":
+        return False
+    limit = MMA_BWD_MAX_HEAD_DIM.get(name, 0)
+    return (max(d, dv) <= limit
+            and all(n in features.MMA_BACKWARD_FEATURES for n in names))
+
+
+def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
+    """Return ``(warps, block_c)`` of the tensor-core backward: 4 warps own 64 rows (16
+    each: the mma's m); streamed tiles of 64 rows up to D = Dv = 64 and of 32 above, where
+    dK and dV of 16 keys take (D + Dv) / 2 accumulators per lane and the transposed scores and
+    dP another block_c (float64: two registers per accumulator, so 32-row tiles, 16 above
+    D = 32). ValueError where the block does not fit ``arch``."""
+    from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
+
+    warps = WARPS
+    if dtype_name(dtype) == "float64":
+        block_c = 32 if max(d, dv) <= 32 else 16
+    else:
+        block_c = 64 if max(d, dv) <= 64 else 32
+    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+    need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=warps,
+                               block_c=block_c, **rel).shared_bytes
+    limit = mma_smem_limit(arch)
+    if need > limit:
+        raise ValueError(
+            f"{dtype_name(dtype)} attention backward on tensor cores with D = {d}, Dv = {dv}"
+            f"{f', Dr = {dr}' if dr else ''} needs {need} bytes of shared memory per block, "
+            f"more than {arch}'s {limit}; use backend='numpy' or a narrower rel_q/rel_k")
+    return warps, block_c
+
+
+def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
+    """Plan the backward of ``problem`` on the tensor-core backward family (as
+    :func:`plan_bwd_simt`; ``cp_async``: q, k, v and dout rows are 16-byte aligned with unit
+    column stride). ValueError where :func:`bwd_uses_mma` is false."""
+    from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
+
+    dtype = dtype_name(problem.dtype)
+    names = features.backward_of_problem(problem)
+    if not bwd_uses_mma(dtype, problem.d, problem.dv, names, arch, problem.precision):
+        raise ValueError(f"attention_bwd_mma does not run {dtype} D = {problem.d}, "
+                         f"Dv = {problem.dv} with {names} on {arch}")
+    dr = problem.dr if "rel_qk" in names else 0
+    warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr)
+    if write_ds is None:
+        write_ds = bwd_writes_ds(names)
+    spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,
+                               block_c=block_c, cp_async=bool(cp_async), write_ds=write_ds,
+                               features=names, dr=dr)
+    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
+    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
+    if max(grid_dkdv, grid_dq) > MAX_GRID_X:
+        raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
+                         f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
+                         f"batch")
+    return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
+                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)

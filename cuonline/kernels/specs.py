@@ -17,9 +17,10 @@ import numpy as np
 from .. import _semantics
 from . import features as _features
 
-__all__ = ["AttentionMmaSpec", "AttentionSimtSpec", "AttentionSpec", "MAX_HEAD_DIM",
-           "MMA_INSTRUCTIONS", "MMA_MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "acc_name",
-           "dtype_name", "dtype_tag"]
+__all__ = ["AttentionBwdMmaSpec", "AttentionBwdSimtSpec", "AttentionMmaSpec", "AttentionSimtSpec",
+           "AttentionSpec", "MAX_HEAD_DIM", "MMA_BWD_MAX_HEAD_DIM", "MMA_INSTRUCTIONS",
+           "MMA_MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "acc_name", "dtype_name",
+           "dtype_tag"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
@@ -55,10 +56,14 @@ class AttentionSpec:
     split : bool
         Keys are split across ``grid.z``; partial states go to a workspace and the
         ``attention_combine`` family's kernel merges them.
+    dr : int
+        Width of ``rel_q`` and ``rel_k`` (``CUONLINE_DR``, compile-time like D): positive
+        exactly when the ``rel_qk`` feature is compiled in, 0 otherwise.
     """
 
     features: tuple = ()
     split: bool = False
+    dr: int = 0
 
     def _check_features(self):
         rows = _features.supported_by(self.family)
@@ -74,6 +79,23 @@ class AttentionSpec:
                                  f"{', '.join(lacking)}, got {self.features!r}")
         # one order for keys and equality: the table's
         object.__setattr__(self, "features", tuple(n for n in names if n in self.features))
+        if (not isinstance(self.dr, int) or self.dr < 0
+                or (self.dr > 0) != ("rel_qk" in self.features) or self.dr > MAX_HEAD_DIM):
+            raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
+                             f"feature and 0 without it, got dr={self.dr!r} with features "
+                             f"{self.features!r}")
+
+    def _rel_shared_bytes(self) -> int:
+        """Shared memory of the rel_qk staging, in the accumulation type: the query tile's
+        rel_q rows (block_m, dr + 1) and the key tile's band of rel_k (block_m + block_n - 1,
+        dr + 1); odd row strides keep the per-score reads free of bank conflicts."""
+        if not self.dr:
+            return 0
+        return (2 * self.block_m + self.block_n - 1) * (self.dr + 1) * self.acc_itemsize
+
+    def _dim_parts(self) -> list:
+        """``d64``, ``dv64`` and, with rel_qk, ``dr32``: the head widths in a key."""
+        return [f"d{self.d}", f"dv{self.dv}"] + ([f"dr{self.dr}"] if self.dr else [])
 
     @property
     def acc_itemsize(self) -> int:
@@ -99,6 +121,7 @@ class AttentionSpec:
             "CUONLINE_D": self.d,
             "CUONLINE_DV": self.dv,
             "CUONLINE_WARPS": self.warps,
+            "CUONLINE_DR": self.dr,
         }
         out.update(self._tile_defines())
         for f in _features.FEATURES:
@@ -165,17 +188,18 @@ class AttentionSimtSpec(AttentionSpec):
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory of one block: sQ (block_m, d) + sKV (block_n, max(d, dv) + 1)."""
+        """Dynamic shared memory of one block: sQ (block_m, d) + sKV (block_n, max(d, dv) + 1),
+        then with rel_qk the rel_q rows and the rel_k band (:meth:`_rel_shared_bytes`)."""
         return (self.block_m * self.d + self.block_n * (max(self.d, self.dv) + 1)) * (
             self.acc_itemsize
-        )
+        ) + self._rel_shared_bytes()
 
     @property
     def key(self) -> str:
         """Readable unique name, e.g.
         ``attention_fwd_simt_f32_d64_dv64_bm16_bn64_w4_window_bias``."""
         parts = [
-            self.family, dtype_tag(self.dtype), f"d{self.d}", f"dv{self.dv}",
+            self.family, dtype_tag(self.dtype), *self._dim_parts(),
             f"bm{self.block_m}", f"bn{self.block_n}", f"w{self.warps}",
         ]
         if self.acc != acc_name(self.dtype):
@@ -346,18 +370,21 @@ class AttentionMmaSpec(AttentionSpec):
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory of one block: sQ + stages x (sK + sV), element type."""
+        """Dynamic shared memory of one block: sQ + stages x (sK + sV), element type, then with
+        rel_qk the rel_q rows and the rel_k band in the accumulation type
+        (:meth:`AttentionSpec._rel_shared_bytes`)."""
         itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
         dp, dvp = self.padded_dims
         qk, vv = _smem_stride(dp, itemsize), _smem_stride(dvp, itemsize)
-        return (self.block_m * qk + self.stages * self.block_n * (qk + vv)) * itemsize
+        tiles = (self.block_m * qk + self.stages * self.block_n * (qk + vv)) * itemsize
+        return tiles + self._rel_shared_bytes()
 
     @property
     def key(self) -> str:
         """Readable unique name, e.g. ``attention_fwd_mma_f16_d64_dv64_bm64_bn64_s2_window``
         (``_mt2`` after ``bm`` for two query tiles per warp)."""
         tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
-        parts = [self.family, tag, f"d{self.d}", f"dv{self.dv}", f"bm{self.block_m}"]
+        parts = [self.family, tag, *self._dim_parts(), f"bm{self.block_m}"]
         if self.m_tiles > 1:
             parts.append(f"mt{self.m_tiles}")
         parts += [f"bn{self.block_n}", f"s{self.stages}"]
@@ -368,3 +395,237 @@ class AttentionMmaSpec(AttentionSpec):
     def _tile_defines(self) -> dict:
         return {"CUONLINE_M_TILES": self.m_tiles, "CUONLINE_BLOCK_N": self.block_n,
                 "CUONLINE_STAGES": self.stages, "CUONLINE_CP_ASYNC": int(self.cp_async)}
+
+
+# --------------------------------------------------------------------------------------------
+# the attention backward (issue 13)
+
+
+@dataclass(frozen=True)
+class AttentionBwdSimtSpec(AttentionSpec):
+    """One variant of the SIMT attention backward family ``attention_bwd_simt``
+    (``kernels_cu/attention_bwd_simt.cu``: a dK/dV kernel and a dQ kernel in one module).
+
+    Attributes
+    ----------
+    dtype, acc : str
+        Element and accumulation dtype names.
+    d, dv : int
+        Head dimensions of q/k and of v (1..256).
+    warps, rows_per_warp, items_per_lane : int
+        Block shape: a block owns ``block_r = warps * rows_per_warp`` rows (keys in the dK/dV
+        kernel, queries in the dQ kernel) and streams tiles of ``block_c = 32 *
+        items_per_lane`` rows of the other kind.
+    write_ds : bool
+        The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace,
+        from which the host reduces the bias (block bias, rel_bias) gradients.
+    features, dr
+        Keyword-only: the options compiled in, among
+        :data:`cuonline.kernels.features.BACKWARD_FEATURES`, and the width of rel_q / rel_k
+        (positive exactly with ``rel_qk``: the dQ kernel then also writes the content
+        gradient dC). ``split`` is always False.
+    """
+
+    dtype: str
+    acc: str
+    d: int
+    dv: int
+    warps: int
+    rows_per_warp: int
+    items_per_lane: int
+    write_ds: bool = False
+
+    family = "attention_bwd_simt"
+
+    def __post_init__(self):
+        if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
+            raise ValueError(f"unsupported dtype/acc pair {self.dtype}/{self.acc}")
+        for name in ("d", "dv"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
+        names = _features.BACKWARD_FEATURES
+        if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
+                or any(n not in names for n in self.features) or self.split):
+            raise ValueError(f"features of {self.family} must be a tuple of distinct names "
+                             f"among {names} (no split), got {self.features!r}")
+        for n in self.features:
+            lacking = [r for r in _features.by_name(n).requires if r not in self.features]
+            if lacking:
+                raise ValueError(f"features of {self.family}: {n} requires "
+                                 f"{', '.join(lacking)}, got {self.features!r}")
+        order = tuple(f.name for f in _features.FEATURES)
+        object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
+        if (not isinstance(self.dr, int) or self.dr < 0 or self.dr > MAX_HEAD_DIM
+                or (self.dr > 0) != ("rel_qk" in self.features)):
+            raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
+                             f"feature and 0 without it, got dr={self.dr!r} with features "
+                             f"{self.features!r}")
+
+    @property
+    def block_r(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def block_c(self) -> int:
+        return 32 * self.items_per_lane
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block (both kernels launch with it): the owned rows
+        (block_r, d + dv), a streamed tile (block_c, d + 1 + dv + 1) and the dK/dV kernel's
+        lse and Delta (block_c each), then with rel_qk the rel_q rows and the rel_k band of
+        the larger kernel (block_c or block_r rows of rel_q, block_r + block_c - 1 of rel_k,
+        at dr + 1 per row), in the accumulation type."""
+        r, c = self.block_r, self.block_c
+        rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
+        return (r * (self.d + self.dv) + c * (self.d + self.dv + 4) + rel) * self.acc_itemsize
+
+    @property
+    def key(self) -> str:
+        """Readable unique name, e.g.
+        ``attention_bwd_simt_f32_d64_dv64_br16_bc32_w4_ds_bias``."""
+        parts = [self.family, dtype_tag(self.dtype), *self._dim_parts(),
+                 f"br{self.block_r}", f"bc{self.block_c}", f"w{self.warps}"]
+        if self.acc != acc_name(self.dtype):
+            parts.append(f"acc{dtype_tag(self.acc)}")
+        if self.write_ds:
+            parts.append("ds")
+        return "_".join(parts + list(self.features))
+
+    def _tile_defines(self) -> dict:
+        return {"CUONLINE_ROWS_PER_WARP": self.rows_per_warp,
+                "CUONLINE_ITEMS_PER_LANE": self.items_per_lane,
+                "CUONLINE_WRITE_DS": int(self.write_ds)}
+
+
+#: Largest D and Dv of the tensor-core backward (dK and dV of 16 keys stay in registers:
+#: D = Dv = 128 is 128 float32 accumulators per lane; float64's take two registers each; TF32
+#: at 128 held 255 registers and spilled 16-36 bytes on sm_80/sm_90, its B fragments being
+#: scalar loads whose offsets ptxas keeps).
+MMA_BWD_MAX_HEAD_DIM = {"float16": 128, "bfloat16": 128, "float32": 64, "float64": 64}
+
+
+@dataclass(frozen=True)
+class AttentionBwdMmaSpec(AttentionSpec):
+    """One variant of the tensor-core attention backward family ``attention_bwd_mma``
+    (``kernels_cu/attention_bwd_mma.cu``: a dK/dV kernel and a dQ kernel in one module).
+
+    Attributes
+    ----------
+    dtype : str
+        Element dtype, a key of :data:`MMA_BWD_MAX_HEAD_DIM`: ``float16``/``bfloat16``
+        (mma.m16n8k16, float32 accumulation), ``float32`` (TF32 mma.m16n8k8:
+        ``precision="tf32"``) or ``float64`` (mma.m8n8k4, float64 accumulation).
+    d, dv : int
+        Head dimensions of q/k and of v, padded to multiples of 16 in shared memory.
+    warps, block_c : int
+        A block owns ``block_r = 16 * warps`` rows (keys in the dK/dV kernel, queries in the
+        dQ kernel) and streams tiles of ``block_c`` rows of the other kind (a multiple of 16).
+    cp_async : bool
+        q, k, v and dout rows are 16-byte aligned with unit column stride (cp.async); False:
+        the element-wise loader.
+    write_ds : bool
+        As :class:`AttentionBwdSimtSpec`: the dQ kernel writes dS for the host's reductions.
+    features, dr
+        Keyword-only: options among
+        :data:`cuonline.kernels.features.MMA_BACKWARD_FEATURES`, and the rel_q / rel_k width.
+    """
+
+    dtype: str
+    d: int
+    dv: int
+    warps: int
+    block_c: int
+    cp_async: bool = True
+    write_ds: bool = False
+
+    family = "attention_bwd_mma"
+
+    def __post_init__(self):
+        if self.dtype not in MMA_BWD_MAX_HEAD_DIM:
+            raise ValueError(f"dtype of {self.family} must be one of "
+                             f"{', '.join(MMA_BWD_MAX_HEAD_DIM)}, got {self.dtype!r}")
+        limit = MMA_BWD_MAX_HEAD_DIM[self.dtype]
+        for name in ("d", "dv"):
+            value = getattr(self, name)
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} of {self.family} must be in 1..{limit} for "
+                                 f"{self.dtype}, got {value}")
+        if not 1 <= self.warps <= 8 or self.block_c % 16 or not 16 <= self.block_c <= 128:
+            raise ValueError(f"bad tile shape of {self.family}: warps={self.warps}, "
+                             f"block_c={self.block_c}")
+        names = _features.MMA_BACKWARD_FEATURES
+        if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
+                or any(n not in names for n in self.features) or self.split):
+            raise ValueError(f"features of {self.family} must be a tuple of distinct names "
+                             f"among {names} (no split), got {self.features!r}")
+        for n in self.features:
+            lacking = [r for r in _features.by_name(n).requires if r not in self.features]
+            if lacking:
+                raise ValueError(f"features of {self.family}: {n} requires "
+                                 f"{', '.join(lacking)}, got {self.features!r}")
+        order = tuple(f.name for f in _features.FEATURES)
+        object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
+        if (not isinstance(self.dr, int) or self.dr < 0 or self.dr > MAX_HEAD_DIM
+                or (self.dr > 0) != ("rel_qk" in self.features)):
+            raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
+                             f"feature and 0 without it, got dr={self.dr!r} with features "
+                             f"{self.features!r}")
+
+    @property
+    def acc(self) -> str:
+        return acc_name(self.dtype)
+
+    @property
+    def block_r(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def instruction(self) -> str:
+        """The PTX mma instruction this variant issues."""
+        return MMA_INSTRUCTIONS[self.dtype][0]
+
+    @property
+    def padded_dims(self) -> tuple:
+        """``(Dp, Dvp)``: D and Dv rounded up to 16."""
+        return -(-self.d // 16) * 16, -(-self.dv // 16) * 16
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block (both kernels launch with it): the owned rows
+        and a streamed tile, (block_r + block_c) x (Dp + Dvp) in the element type
+        (tensor_core.cuh's layouts), then in the accumulation type the dK/dV kernel's lse and
+        Delta (block_c each) and with rel_qk the larger kernel's rel_q rows and rel_k band
+        (as :class:`AttentionBwdSimtSpec`)."""
+        dp, dvp = self.padded_dims
+        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        tiles = ((self.block_r + self.block_c)
+                 * (_smem_stride(dp, itemsize) + _smem_stride(dvp, itemsize)) * itemsize)
+        r, c = self.block_r, self.block_c
+        rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
+        return tiles + (2 * c + rel) * self.acc_itemsize
+
+    @property
+    def key(self) -> str:
+        """Readable unique name, e.g. ``attention_bwd_mma_f16_d64_dv64_br64_bc64_ds_bias``."""
+        tag = "tf32" if self.dtype == "float32" else dtype_tag(self.dtype)
+        parts = [self.family, tag, *self._dim_parts(), f"br{self.block_r}",
+                 f"bc{self.block_c}"]
+        if not self.cp_async:
+            parts.append("plainload")
+        if self.write_ds:
+            parts.append("ds")
+        return "_".join(parts + list(self.features))
+
+    def _tile_defines(self) -> dict:
+        return {"CUONLINE_BLOCK_C": self.block_c, "CUONLINE_CP_ASYNC": int(self.cp_async),
+                "CUONLINE_WRITE_DS": int(self.write_ds)}

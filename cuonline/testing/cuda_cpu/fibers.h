@@ -226,7 +226,14 @@ inline std::string deadlock_report(const Block& b) {
 }
 
 inline int launch_impl(Body body, void* ctx, dim3 grid, dim3 block) {
-    static StackPool pool;
+    // The stacks of one launch, reused by its blocks and unmapped when it returns. Not kept
+    // for the next launch: each stack is two memory mappings (its guard page splits it), and
+    // every emulated module is a library of its own, so a pool kept per module held 2 x
+    // threads-per-block mappings for each module a process ever launched, and a test run
+    // loading some 130 modules hit the kernel's limit of 65,530 (dlopen then failed with
+    // "failed to map segment", thread creation hung). Mapping them per launch costs a few
+    // microseconds per thread.
+    StackPool pool;
     const unsigned n = block.x * block.y * block.z;
     Block b;
     b.th.resize(n);

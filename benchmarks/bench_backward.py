@@ -1,0 +1,127 @@
+"""CPU benchmark of the backward pass: cuonline.attention_backward beside torch's, in one run.
+
+    python benchmarks/bench_backward.py                 # N 1024, 4096 x D 64, 128 x f32, f64
+    python benchmarks/bench_backward.py --quick         # a tiny smoke run (CI)
+
+For every case (N, D, dtype) it times, on the same (B=1, H, N, D) arrays and the same output
+gradient, the backward pass alone (both sides hold the forward's results):
+
+* ``cuonline``: ``cuonline.attention_backward`` (NumPy engine, its thread pool), deterministic;
+* ``torch``: ``out.backward(dout)`` through ``torch.nn.functional.scaled_dot_product_attention``
+  on 4-D inputs that require grad, which selects torch's fused CPU flash kernel; the column
+  ``torch backward`` prints the autograd node torch recorded, so a comparison against its
+  unfused math path cannot pass unnoticed.
+
+Throughput counts 2.5x the forward's FLOPs, 10 * Lq * Lk * D per head (the five matrix
+products of the FlashAttention-2 backward). The BLAS ceiling (a 2048^3 matrix product per
+dtype, all cores) is measured in the same run. The summary gives the geometric mean and the
+worst of cuonline / torch, then cuonline's peak traced allocation at --memory-length beside
+the size of its gradients. Figures move with whatever else the machine does: compare ratios
+of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+import tracemalloc
+
+import numpy as np
+from bench_cpu import best_seconds, blas_ceiling, blas_description
+
+import cuonline
+
+
+def torch_backward():
+    """``prepare(q, k, v, dout) -> (run, node)``: a function that runs torch's backward of SDPA
+    on these arrays and the name of the autograd node; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def prepare(q, k, v, dout):
+        tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+        grad = torch.from_numpy(dout)
+
+        def run():
+            for t in (tq, tk, tv):
+                t.grad = None
+            out.backward(grad, retain_graph=True)
+
+        return run, type(out.grad_fn).__name__
+
+    return prepare
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--memory-length", type=int, default=16384)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one repeat: checks that the script runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
+        args.memory_length = 1024
+
+    prepare = torch_backward()
+    from cuonline.engines.numpy import workers
+
+    ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
+    print(f"backward, B=1 H={args.heads}; {workers()} cores; numpy {np.__version__}; "
+          + (f"torch {__import__('torch').__version__}" if prepare else "torch not installed"))
+    print("BLAS: " + blas_description())
+    print("BLAS ceiling (2048^3 matmul, all cores): "
+          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | cuonline | torch | torch backward"
+              f"{' ' * 32} | cuonline/torch | cuonline/BLAS | torch/BLAS |")
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+
+    rng = np.random.default_rng(0)
+    ratios = []
+    for n, d, dt in itertools.product(args.lengths, args.dims, args.dtypes):
+        q, k, v, dout = (rng.standard_normal((1, args.heads, n, d)).astype(dt)
+                         for _ in range(4))
+        out, lse = cuonline.attention(q, k, v, return_lse=True)
+        gflop = 10 * args.heads * n * n * d / 1e9
+        ours = gflop / best_seconds(
+            lambda: cuonline.attention_backward(dout, q, k, v, out, lse), args.repeat)
+        theirs, node = float("nan"), "-"
+        if prepare is not None:
+            run, node = prepare(q, k, v, dout)
+            theirs = gflop / best_seconds(run, args.repeat)
+            ratios.append(ours / theirs)
+        print(f"| {n:>5} | {d:>3} | {dt:<7} | {ours:>8.1f} | {theirs:>5.1f} | {node:<46} "
+              f"| {ours / theirs:>14.2f} | {ours / ceilings[dt]:>13.2f} "
+              f"| {theirs / ceilings[dt]:>10.2f} |")
+    if ratios:
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"cuonline / torch over {len(ratios)} cases: geometric mean {geomean:.2f}, "
+              f"worst {min(ratios):.2f}")
+
+    n, d = args.memory_length, 64
+    q, k, v, dout = (rng.standard_normal((1, n, d), dtype=np.float32) for _ in range(4))
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    tracemalloc.start()
+    start = time.perf_counter()
+    cuonline.attention_backward(dout, q, k, v, out, lse)
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    grads = 3 * n * d * 4
+    print(f"memory: N={n} H=1 D={d} float32: cuonline backward peak traced allocation "
+          f"{peak / 2**20:.1f} MiB (gradients {grads / 2**20:.1f} MiB; one N x N score matrix "
+          f"would be {n * n * 4 / 2**30:.1f} GiB); {seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""Attention and merge on Dask arrays: a lazy graph of per-chunk calls and a fixed merge tree.
+
+``cuonline.attention`` hands a call here when any argument is a Dask array. The call is
+validated once, on zero-memory NumPy stand-ins of the arguments' shapes and dtypes, so every
+error is the one the NumPy engine would raise; then a graph is built:
+
+* batch chunks and query chunks map: each output block ``(b, i)`` is its own reduction;
+* key chunks reduce: the task for key chunk ``j`` calls ``cuonline.attention`` on its chunks
+  with ``q_offset``/``k_offset`` set from the chunk positions (causal, window, ALiBi and the
+  relative terms read only ``delta = key position - query position``, so every chunk scores
+  exactly as the whole call would) and returns its ``(out, lse)`` state; the states of one
+  output block are merged by a tree of fixed fan-in :data:`SPLIT_EVERY` in key order, so the
+  rounding does not depend on scheduling;
+* a key chunk that no query of a query chunk can see (above the causal diagonal, outside the
+  window, at or past every ``kv_lengths`` of the batch chunk when ``kv_lengths`` is concrete)
+  gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``.
+
+:func:`attention_backward` runs the backward pass on the same graph. Each task runs the
+engine of its chunks' library: NumPy chunks the NumPy engine, CuPy chunks
+the CUDA kernels. ``import cuonline`` imports this module but not Dask: Dask is imported on
+the first Dask call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from .. import _validate
+from .._semantics import visible_key_range
+from .merge import merge_states
+
+__all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is_dask_merge",
+           "merge"]
+
+#: Fan-in of the merge tree over key chunks. Fixed, so that the order of the floating-point
+#: merges (and hence the result, to the last bit) is a property of the chunking alone.
+SPLIT_EVERY = 8
+
+# The logical axes of each array argument's trailing dimensions; leading dimensions are batch
+# axes, aligned to the right. "q"/"k": the query/key axis (chunked); "qb"/"kb": the block
+# bias's coarse axes (chunked with the query/key axis); "whole": one chunk (head dimensions,
+# relative tables indexed by distance).
+_LAYOUT = {
+    "q": ("q", "whole"),
+    "k": ("k", "whole"),
+    "v": ("k", "whole"),
+    "bias": ("q", "k"),
+    "mask": ("q", "k"),
+    "kv_lengths": (),
+    "alibi_slopes": (),
+    "rel_bias": ("whole",),
+    "rel_q": ("q", "whole"),
+    "rel_k": ("whole", "whole"),
+    # the backward pass's: per query chunk
+    "dout": ("q", "whole"),
+    "out": ("q", "whole"),
+    "lse": ("q",),
+}
+_OPTION_ARRAYS = ("bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k")
+#: The differentiable arguments and their fields of cuonline.Gradients.
+_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "rel_bias": "drel_bias",
+                "rel_q": "drel_q", "rel_k": "drel_k"}
+# keywords the graph sets per task; every other keyword goes to each task as it came
+_POSITIONAL = ("causal", "window", "q_offset", "k_offset", "return_lse")
+
+
+def _is_dask_array(x) -> bool:
+    # by module name, so that recognising a Dask array never imports Dask
+    return type(x).__module__.startswith("dask.array")
+
+
+def is_dask_call(arguments) -> bool:
+    """Whether any value of ``arguments`` (a call's bound arguments) is a Dask array."""
+    return any(_is_dask_array(x) for x in arguments.values())
+
+
+def is_dask_merge(states) -> bool:
+    """Whether any array of the ``(out, lse)`` ``states`` of a merge is a Dask array."""
+    return any(_is_dask_array(x) for s in states if isinstance(s, (tuple, list)) for x in s)
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+
+
+def attention(chunk_attention, /, q, k, v, **options):
+    """``cuonline.attention`` on Dask arrays: returns Dask arrays ``out`` (and ``lse`` with
+    ``return_lse``), nothing computed.
+
+    ``chunk_attention`` is ``cuonline.attention`` itself, which each task calls on its chunks
+    (passed in, since engines do not import the API layer). ``options`` are the call's other
+    keywords, all of them: the array options are chunked to match the queries and keys, the
+    position keywords (causal, window, offsets) are rewritten per task from the chunk
+    positions, and every other keyword goes to each task unchanged, except ``workers=None``,
+    which becomes 1: Dask's workers are the parallelism, one BLAS thread per task.
+    """
+    import dask.array as da
+    from dask.task_spec import Task, TaskRef
+
+    arrays = {"q": q, "k": k, "v": v}
+    p = _validate_on_stand_ins(arrays, options, _validate.validate_attention)
+    plan = _plan(da, arrays, options, p, chunk_attention)
+    chunk_name = f"cuonline-attention-chunk-{plan.token}"
+    merge_name = f"cuonline-attention-merge-{plan.token}"
+    task_options = dict(plan.task_options, return_lse=True)
+    dsk, states = {}, {}
+    for b, iq, i0, i1, visible in plan.blocks:
+        parts = []
+        for jk, j0 in visible:
+            key = (chunk_name, *b, iq, jk)
+            per_task = dict(task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
+            dsk[key] = Task(key, _chunk_state, chunk_attention, per_task, j0, plan.names,
+                            *(TaskRef(r) for r in plan.reads(b, iq, jk)))
+            parts.append(key)
+        if not parts:
+            key = (merge_name, *b, iq, "empty")
+            shape = tuple(c[t] for c, t in zip(plan.batch_chunks, b)) + (i1 - i0,)
+            q_ref = TaskRef(_block_key(plan.arrays["q"], "q", p, b, iq, 0))
+            dsk[key] = Task(key, _empty_state, q_ref, shape, p.dv, p.acc_dtype)
+            parts.append(key)
+        states[b + (iq,)] = _merge_tree(dsk, merge_name, b + (iq,), parts, Task, TaskRef)
+
+    out, lse = _state_arrays(da, f"cuonline-attention-{plan.token}", dsk,
+                             list(plan.arrays.values()), states,
+                             tuple(plan.batch_chunks) + (plan.axis_chunks["q"],), p.dv, p.dtype,
+                             p.acc_dtype, plan.arrays["q"]._meta)
+    return (out, lse) if p.return_lse else out
+
+
+def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
+    """``cuonline.attention_backward`` on Dask arrays: a :class:`cuonline.Gradients` of Dask
+    arrays, nothing computed.
+
+    The graph of :func:`attention`, with a task per visible (query chunk, key chunk) pair
+    that calls ``chunk_backward`` (``cuonline.attention_backward``) on its chunks, the global
+    `out` and `lse` of its queries and the chunk positions: FlashAttention-2's backward needs
+    nothing else of the other chunks, so each task's gradients are exact contributions. The
+    gradient of an input block is the sum of the contributions of the tasks that read it, in
+    a fixed tree (``SPLIT_EVERY``, in task order) in the accumulation dtype; a block no task
+    reads (keys no query sees) gets zeros. Every gradient is a Dask array of its input's shape
+    and chunks, whatever library the input came in.
+    """
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+    from dask.task_spec import Task, TaskRef
+
+    from .._gradients import Gradients
+    from .._semantics import accumulation_dtype
+
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    p = _validate_on_stand_ins(arrays, options, _validate.validate_attention_backward).forward
+    plan = _plan(da, arrays, options, p, chunk_backward)
+    name = f"cuonline-attention-backward-{plan.token}"
+    dsk, readers = {}, {}
+    for b, iq, i0, i1, visible in plan.blocks:
+        for jk, j0 in visible:
+            key = (f"{name}-chunk", *b, iq, jk)
+            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
+            reads = plan.reads(b, iq, jk)
+            dsk[key] = Task(key, _chunk_gradients, chunk_backward, per_task, j0, plan.names,
+                            *(TaskRef(r) for r in reads))
+            for arg, read in zip(plan.names, reads):
+                if arg in _GRADIENT_OF:
+                    readers.setdefault((arg, read), []).append(key)
+
+    graph = HighLevelGraph.from_collections(f"{name}-state", dsk,
+                                            dependencies=list(plan.arrays.values()))
+    gradients = {}
+    for arg, field in _GRADIENT_OF.items():
+        x = plan.arrays.get(arg)
+        if x is None:
+            continue
+        dtype = p.dtype if arg in ("q", "k", "v") else np.dtype(x.dtype).newbyteorder("=")
+        acc = accumulation_dtype(dtype)
+        out_name, layer = f"{name}-{field}", {}
+        for index in itertools.product(*(range(n) for n in x.numblocks)):
+            block, key = (x.name, *index), (out_name, *index)
+            parts = readers.get((arg, block))
+            if not parts:
+                layer[key] = Task(key, _zeros_of, TaskRef(block), dtype)
+                continue
+            total = _sum_tree(dsk, f"{name}-sum-{field}", index, parts, field, acc, Task, TaskRef)
+            layer[key] = Task(key, _cast, TaskRef(total), dtype)
+        gradients[field] = da.Array(
+            _with_layer(graph, out_name, layer, f"{name}-state"), out_name, chunks=x.chunks,
+            meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
+    return Gradients(**{f: gradients.get(f) for f in _GRADIENT_OF.values()})
+
+
+class _Plan:
+    """What the forward and backward graphs share: the arguments as Dask arrays chunked to
+    match, the output blocks with their visible key chunks, the per-task keywords."""
+
+    def __init__(self, p, arrays, batch_chunks, axis_chunks, blocks, task_options, token):
+        self.p, self.arrays, self.batch_chunks, self.axis_chunks = p, arrays, batch_chunks, \
+            axis_chunks
+        self.blocks, self.task_options, self.token = blocks, task_options, token
+        self.names = tuple(arrays)
+
+    def reads(self, b, iq, jk):
+        """The keys of the blocks that the task of (batch block b, query chunk iq, key chunk
+        jk) reads, one per argument in ``names`` order."""
+        return [_block_key(self.arrays[n], n, self.p, b, iq, jk) for n in self.names]
+
+
+def _plan(da, arrays, options, p, chunk_function):
+    """Chunk the arguments (``arrays``: the positional ones; the array options are moved
+    out of ``options``) and list every output block's visible key chunks."""
+    from dask.base import tokenize
+
+    for name in _OPTION_ARRAYS:
+        arrays[name] = options.pop(name, None)
+    # a concrete kv_lengths as validated (batch shape, clipped): its values prune key chunks
+    concrete_lengths = p.kv_lengths is not None and not _is_dask_array(arrays["kv_lengths"])
+    if concrete_lengths:
+        arrays["kv_lengths"] = np.asarray(p.kv_lengths)
+    arrays = {n: _as_dask(da, x) for n, x in arrays.items() if x is not None}
+
+    batch_chunks = _batch_chunks(arrays, p.batch_shape)
+    q_chunks = arrays["q"].chunks[-2]
+    k_chunks = _refine([arrays["k"].chunks[-2], arrays["v"].chunks[-2]])
+    axis_chunks = {"q": q_chunks, "k": k_chunks}
+    if p.bias_block is not None:
+        # a chunk of the block bias must start at a block: align the boundaries to blocks
+        r, c = p.bias_block
+        axis_chunks["q"], axis_chunks["qb"] = _align(q_chunks, r)
+        axis_chunks["k"], axis_chunks["kb"] = _align(k_chunks, c)
+    arrays = {n: _rechunk(x, n, p, batch_chunks, axis_chunks) for n, x in arrays.items()}
+
+    task_options = {n: x for n, x in options.items() if n not in _POSITIONAL}
+    task_options.update(causal=False, window=None if p.window == (None, None) else p.window)
+    if task_options.get("workers") is None:
+        task_options["workers"] = 1
+    token = tokenize(*(x.name for x in arrays.values()), sorted(task_options.items(), key=str),
+                     p.diagonal_offset, chunk_function.__module__, chunk_function.__qualname__)
+
+    q_bounds, k_bounds = _bounds(axis_chunks["q"]), _bounds(axis_chunks["k"])
+    b_bounds = [_bounds(c) for c in batch_chunks]
+    blocks = []
+    for b in itertools.product(*(range(len(c)) for c in batch_chunks)):
+        kv_max = p.lk
+        if concrete_lengths:
+            where = tuple(slice(bb[t], bb[t + 1]) for bb, t in zip(b_bounds, b))
+            kv_max = int(np.max(p.kv_lengths[where], initial=0))
+        for iq in range(len(q_bounds) - 1):
+            i0, i1 = q_bounds[iq], q_bounds[iq + 1]
+            lo, hi = visible_key_range(i0, i1, p.lq, p.lk, p.window, p.diagonal_offset)
+            hi = min(hi, kv_max)
+            # key chunks no query of this block sees get no task
+            visible = [(jk, k_bounds[jk]) for jk in range(len(k_bounds) - 1)
+                       if k_bounds[jk] < hi and k_bounds[jk + 1] > lo]
+            blocks.append((b, iq, i0, i1, visible))
+    return _Plan(p, arrays, batch_chunks, axis_chunks, blocks, task_options, token)
+
+
+def _validate_on_stand_ins(arrays, options, validate):
+    """The call's problem, from ``validate`` (``validate_attention`` or
+    ``validate_attention_backward``) on zero-memory NumPy stand-ins of the array arguments
+    (one validation, one set of error messages for every engine)."""
+    for name, value in options.items():
+        if name not in _OPTION_ARRAYS and (_is_dask_array(value)
+                                           or getattr(value, "ndim", 0) > 0):   # scalars pass
+            raise TypeError(f"`{name}` is an array, which the Dask engine cannot chunk; pass "
+                            f"it as a scalar or compute the call without Dask arrays")
+    arrays = dict(arrays, **{n: options.get(n) for n in _OPTION_ARRAYS})
+    metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in arrays.items()}
+    # mixed libraries and numpy.ma chunks: the errors of the in-memory call
+    xp = _validate.array_namespace(**metas)
+    backend = options.get("backend", "auto")
+    if xp is not np:
+        # CuPy chunks, perhaps on a client without a GPU: check the backend against CuPy
+        # here, validate the rest on NumPy stand-ins; each task checks its own CUDA limits
+        _validate._check_backend(backend, xp)
+        backend = "auto"
+    stand_ins = {}
+    for name, x in arrays.items():
+        if x is None or (not hasattr(x, "shape") and not _is_dask_array(x)):
+            stand_ins[name] = x                # None, lists, scalars: validated as they are
+        elif name == "kv_lengths" and isinstance(x, np.ndarray):
+            stand_ins[name] = x                # small: its values are checked and used
+        else:
+            if any(isinstance(n, float) and math.isnan(n) for n in x.shape):
+                raise ValueError(f"`{name}` has unknown chunk sizes (shape {x.shape}); call "
+                                 f"{name}.compute_chunk_sizes() first")
+            stand_ins[name] = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+    options = {n: x for n, x in options.items() if n not in _OPTION_ARRAYS}
+    return validate(**stand_ins, **dict(options, backend=backend))
+
+
+def _as_dask(da, x):
+    if _is_dask_array(x):
+        return x
+    return da.asarray(x if hasattr(x, "shape") else np.asarray(x))
+
+
+def _batch_chunks(arrays, batch_shape):
+    """The chunks of each batch axis: the refinement of those of `q`, `k` and `v` on the axis,
+    where they are not broadcast (the options follow them)."""
+    chunks = []
+    for t, size in enumerate(batch_shape):
+        seen = []
+        for x in (arrays["q"], arrays["k"], arrays["v"]):
+            axis = x.ndim - 2 - (len(batch_shape) - t)      # batch axes align to the right
+            if axis >= 0 and x.shape[axis] == size:
+                seen.append(x.chunks[axis])
+        chunks.append(_refine(seen) if seen else (size,))
+    return chunks
+
+
+def _refine(chunkings):
+    """The coarsest chunking whose boundaries include every boundary of ``chunkings`` (all of
+    one axis): splitting chunks is a slice, merging them would be a copy."""
+    cuts = sorted({c for chunks in chunkings for c in _bounds(chunks)})
+    return tuple(b - a for a, b in zip(cuts, cuts[1:])) or (0,)
+
+
+def _align(chunks, block):
+    """``chunks`` of an axis with boundaries moved down to multiples of ``block``, and the
+    matching chunks of the coarse (one entry per block) axis."""
+    n = sum(chunks)
+    cuts = sorted({c // block * block for c in _bounds(chunks)[:-1]} | {0, n})
+    fine = tuple(b - a for a, b in zip(cuts, cuts[1:])) or (0,)
+    coarse_cuts = [c // block for c in cuts[:-1]] + [-(-n // block)]
+    return fine, tuple(b - a for a, b in zip(coarse_cuts, coarse_cuts[1:])) or (0,)
+
+
+def _bounds(chunks):
+    return [0, *itertools.accumulate(chunks)]
+
+
+def _axis_kinds(x, name, p):
+    """The logical axis of each dimension of argument ``name``: a batch index or a kind."""
+    layout = _LAYOUT[name]
+    if name == "bias" and p.bias_block is not None:
+        layout = ("qb", "kb")
+    n_batch = x.ndim - len(layout)
+    return [len(p.batch_shape) - n_batch + a for a in range(n_batch)] + list(layout)
+
+
+def _rechunk(x, name, p, batch_chunks, axis_chunks):
+    """``x`` chunked as the graph needs: batch and sequence axes as the output's, broadcast
+    (length-1) and "whole" axes in one chunk."""
+    target = []
+    for size, kind in zip(x.shape, _axis_kinds(x, name, p)):
+        chunks = batch_chunks[kind] if isinstance(kind, int) else axis_chunks.get(kind)
+        target.append((size,) if chunks is None or sum(chunks) != size else tuple(chunks))
+    target = tuple(target)
+    return x if x.chunks == target else x.rechunk(target)
+
+
+def _block_key(x, name, p, b, iq, jk):
+    """The key of the block of ``x`` that output block ``(b, iq)`` and key chunk ``jk`` read."""
+    index = []
+    for chunks, kind in zip(x.chunks, _axis_kinds(x, name, p)):
+        if len(chunks) == 1:
+            index.append(0)                    # one chunk: broadcast, whole or unsplit
+        elif isinstance(kind, int):
+            index.append(b[kind])
+        else:
+            index.append(iq if kind in ("q", "qb") else jk)
+    return (x.name, *index)
+
+
+def _merge_tree(dsk, name, where, parts, Task, TaskRef):
+    """Add the merge tasks of the states ``parts`` (in key order, fan-in SPLIT_EVERY) to
+    ``dsk``; return the key of the final state."""
+    level = 0
+    while len(parts) > 1:
+        merged = []
+        for g in range(0, len(parts), SPLIT_EVERY):
+            group = parts[g:g + SPLIT_EVERY]
+            if len(group) == 1:
+                merged.append(group[0])
+                continue
+            key = (name, *where, level, g // SPLIT_EVERY)
+            dsk[key] = Task(key, _merge_group, *(TaskRef(s) for s in group))
+            merged.append(key)
+        parts, level = merged, level + 1
+    return parts[0]
+
+
+def _state_arrays(da, name, dsk, deps, states, chunks, dv, out_dtype, lse_dtype, meta):
+    """Dask arrays ``out`` and ``lse`` over the states ``{block index: key}`` of ``dsk``."""
+    from dask.highlevelgraph import HighLevelGraph
+    from dask.task_spec import Task, TaskRef
+
+    state_name, lse_name = f"{name}-state", f"{name}-lse"
+    graph = HighLevelGraph.from_collections(state_name, dsk, dependencies=deps)
+    out_layer = {(name, *i, 0): Task((name, *i, 0), _take_out, TaskRef(s), out_dtype)
+                 for i, s in states.items()}
+    out = da.Array(_with_layer(graph, name, out_layer, state_name), name,
+                   chunks=chunks + ((dv,),),
+                   meta=np.empty_like(meta, shape=(0,) * (len(chunks) + 1), dtype=out_dtype))
+    lse_layer = {(lse_name, *i): Task((lse_name, *i), _take_lse, TaskRef(s))
+                 for i, s in states.items()}
+    lse = da.Array(_with_layer(graph, lse_name, lse_layer, state_name), lse_name,
+                   chunks=chunks,
+                   meta=np.empty_like(meta, shape=(0,) * len(chunks), dtype=lse_dtype))
+    return out, lse
+
+
+def _with_layer(graph, name, layer, depends_on):
+    from dask.highlevelgraph import HighLevelGraph
+
+    return HighLevelGraph({**graph.layers, name: layer},
+                          {**graph.dependencies, name: {depends_on}})
+
+
+# the tasks (module-level functions: pickled by reference for distributed workers)
+
+
+def _chunk_state(chunk_attention, options, j0, names, *blocks):
+    """One (query chunk, key chunk) pair: ``(out, lse)`` over the chunk's keys."""
+    arrays = dict(zip(names, blocks))
+    lengths = arrays.get("kv_lengths")
+    if lengths is not None:
+        xp = _validate.array_namespace(q=arrays["q"])
+        lengths = xp.asarray(lengths)
+        # keys [j0, j1) are this chunk's 0 .. j1 - j0; a negative length is left for the
+        # call to refuse with its usual message
+        arrays["kv_lengths"] = xp.where(lengths < 0, lengths, xp.maximum(lengths - j0, 0))
+    q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+    return chunk_attention(q, k, v, **arrays, **options)
+
+
+def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
+    """One (query chunk, key chunk) pair of the backward pass: its Gradients."""
+    arrays = dict(zip(names, blocks))
+    lengths = arrays.get("kv_lengths")
+    if lengths is not None:
+        xp = _validate.array_namespace(q=arrays["q"])
+        lengths = xp.asarray(lengths)
+        arrays["kv_lengths"] = xp.where(lengths < 0, lengths, xp.maximum(lengths - j0, 0))
+    positional = [arrays.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
+    return chunk_backward(*positional, **arrays, **options)
+
+
+def _sum_tree(dsk, name, where, parts, field, acc_dtype, Task, TaskRef):
+    """Add to ``dsk`` the tasks that sum ``field`` of the Gradients ``parts`` (in order, fan-in
+    SPLIT_EVERY, in ``acc_dtype``); return the key of the total."""
+    level, sums = 0, []
+    for g in range(0, len(parts), SPLIT_EVERY):
+        key = (name, *where, level, g // SPLIT_EVERY)
+        dsk[key] = Task(key, _sum_field, field, acc_dtype,
+                        *(TaskRef(x) for x in parts[g:g + SPLIT_EVERY]))
+        sums.append(key)
+    while len(sums) > 1:
+        level, merged = level + 1, []
+        for g in range(0, len(sums), SPLIT_EVERY):
+            key = (name, *where, level, g // SPLIT_EVERY)
+            dsk[key] = Task(key, _sum_arrays, *(TaskRef(x) for x in sums[g:g + SPLIT_EVERY]))
+            merged.append(key)
+        sums = merged
+    return sums[0]
+
+
+def _sum_field(field, acc_dtype, *gradients):
+    total = None
+    for g in gradients:
+        x = getattr(g, field).astype(acc_dtype)
+        total = x if total is None else total + x
+    return total
+
+
+def _sum_arrays(*arrays):
+    total = arrays[0]
+    for x in arrays[1:]:
+        total = total + x
+    return total
+
+
+def _zeros_of(block, dtype):
+    """The gradient of a block no task reads: zeros of its shape, in its library."""
+    xp = _validate.array_namespace(block=block)
+    return xp.zeros(block.shape, dtype=dtype)
+
+
+def _cast(x, dtype):
+    return x.astype(dtype, copy=False)
+
+
+def _merge_group(*states):
+    """Merge states of one query block; the outputs in the accumulation dtype of ``lse``,
+    so a 16-bit output is rounded once, at the end, not at every level of the tree."""
+    xp = _validate.array_namespace(out=states[0][0])
+    lse_dtype = states[0][1].dtype
+    return merge_states(xp, [o.astype(lse_dtype, copy=False) for o, _ in states],
+                        [s for _, s in states])
+
+
+def _empty_state(q, shape, dv, acc_dtype):
+    """The state of queries that see no key: output 0, ``lse = -inf``."""
+    xp = _validate.array_namespace(q=q)
+    return xp.zeros(shape + (dv,), dtype=acc_dtype), xp.full(shape, -np.inf, dtype=acc_dtype)
+
+
+def _take_out(state, dtype):
+    return state[0].astype(dtype, copy=False)
+
+
+def _take_lse(state):
+    return state[1]
+
+
+# --------------------------------------------------------------------------------------------
+# merge
+
+
+def merge(*states):
+    """``cuonline.merge`` of states some of whose arrays are Dask arrays: an elementwise
+    merge of the blocks (chunks of the states unified), returning Dask ``(out, lse)``."""
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.task_spec import Task, TaskRef
+
+    metas, stand_ins = {}, []
+    for n, state in enumerate(states):
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            stand_ins.append(state)            # refused by validate_merge with its message
+            continue
+        pair = []
+        for i, x in enumerate(state):
+            metas[f"states[{n}][{i}]"] = x._meta if _is_dask_array(x) else x
+            if x is not None and hasattr(x, "shape") and hasattr(x, "dtype"):
+                x = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+            pair.append(x)
+        stand_ins.append(tuple(pair))
+    _validate.validate_merge(stand_ins)
+    _validate.array_namespace(**metas)       # mixed libraries: the in-memory message
+
+    pairs = [(_as_dask(da, o), _as_dask(da, s)) for o, s in states]
+    ndim = pairs[0][1].ndim
+    chunks = tuple(_refine([x.chunks[a] for pair in pairs for x in pair]) for a in range(ndim))
+    dv = pairs[0][0].shape[-1]
+    flat = []
+    for o, s in pairs:
+        flat += [o.rechunk(chunks + ((dv,),)), s.rechunk(chunks)]
+    token = tokenize(*(x.name for x in flat))
+    name = f"cuonline-merge-{token}"
+    dsk, keys = {}, {}
+    for index in itertools.product(*(range(len(c)) for c in chunks)):
+        refs = [TaskRef((x.name, *index, 0) if j % 2 == 0 else (x.name, *index))
+                for j, x in enumerate(flat)]
+        key = (f"{name}-merge", *index)
+        dsk[key] = Task(key, _merge_blocks, *refs)
+        keys[index] = key
+    out_dtype, lse_dtype = (np.dtype(x.dtype).newbyteorder("=") for x in flat[:2])
+    return _state_arrays(da, name, dsk, flat, keys, chunks, dv, out_dtype, lse_dtype,
+                         flat[0]._meta)
+
+
+def _merge_blocks(*flat):
+    """``cuonline.merge`` of one block of every state: ``flat`` is out0, lse0, out1, ..."""
+    xp = _validate.array_namespace(out=flat[0])
+    native = [x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("=")) for x in flat]
+    return merge_states(xp, native[0::2], native[1::2])

@@ -1,0 +1,380 @@
+"""The NumPy engine's backward pass: the FlashAttention-2 backward, tiled, deterministic.
+
+For one batch element with logits ``s`` (every score term of the forward, then masking),
+``P = exp(s - lse)`` is recomputed tile by tile from the forward's ``lse``, and with
+``Delta_i = rowsum(dO_i * O_i)`` (the Delta trick: ``sum_j P_ij dP_ij = dO_i . O_i``)
+
+    dV  += P^T dO          dP = dO V^T          dS = P * (dP - Delta)
+
+``dS`` is the gradient of the logit; through the soft cap's derivative ``1 - tanh^2`` it
+becomes the gradient of the capped part (the content score, or the whole logit with
+``softcap_bias``). The bias terms take their part of it (summed over each block, along each
+clamped diagonal), the content part gives ``dQ += dS K`` and ``dK += dS^T Q`` (times
+``scale``) and the relative-logit gradients.
+
+Work: the batch elements are cut into groups that share no gradient slot (an input broadcast
+over batch elements joins them: a bias shared by every head makes one group of all heads), and
+each group is one task on the forward's thread pool. A task walks its batch elements in C
+order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries that may see them in
+tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients. No gradient slot is
+written by two tasks, and within a task the order of every sum is fixed, so the results are
+bitwise identical for every ``workers`` and every run. Extra memory is a few tiles and one copy
+of a batch element's queries and output gradient per task: never an ``Lq x Lk`` array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _semantics
+from .._gradients import Gradients
+from .numpy import _blas_ready, _nonfinite_values, _run, _ScoreTerms, workers
+
+# 256 x 256 tiles: the score, P and dS tiles (256 KiB each in float32) stay in L2 while the
+# five matrix products stream through them.
+BLOCK_Q = 256
+BLOCK_K = 256
+
+
+def attention_backward(bp):
+    """Gradients of the backward problem ``bp`` (a :class:`cuonline._validate.BackwardProblem`).
+
+    Returns a :class:`cuonline.Gradients` of NumPy arrays, each of the shape and dtype that
+    ``bp.targets`` gives for its input.
+    """
+    p = bp.forward
+    acc = p.acc_dtype
+    targets = bp.targets
+    buffers = {name: np.zeros(t.padded(len(p.batch_shape)), dtype=acc)
+               for name, t in targets.items()}
+    n_workers = workers() if p.workers is None else p.workers
+    tasks = _plan(p, targets)
+    _run(tasks, lambda task: [_one_batch_element(bp, b, buffers, *task[1:]) for b in task[0]],
+         n_workers)
+    # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
+    buffers["q"] *= acc.type(p.scale)
+    grads = {name: targets[name].finish(buffers[name]) for name in targets}
+    return Gradients(
+        dq=grads["q"], dk=grads["k"], dv=grads["v"], dbias=grads.get("bias"),
+        drel_bias=grads.get("rel_bias"), drel_q=grads.get("rel_q"), drel_k=grads.get("rel_k"),
+    )
+
+
+def _plan(p, targets):
+    """The tasks: ``(batch elements, part, key block, query block)``.
+
+    With at least as many groups (:func:`_groups`) as cores, a task is one group, all of it
+    (``part`` "all": the five products of each tile once). With fewer, the work is cut finer
+    in two kinds of task that write disjoint gradients: "kv" tasks, one per group of elements
+    sharing ``k``/``v`` and block of ``BLOCK_K`` keys, give dK and dV; "q" tasks, one per
+    group of the others and block of ``BLOCK_Q`` queries (all queries when a bias-like
+    gradient of one task would overlap another's: a broadcast row, a block or distance table),
+    give dQ and the bias-like gradients. Each tile's scores and dS are then computed twice
+    (seven products instead of five), in the same order and tiles as the single-task form,
+    so every plan gives the same bits; the plan counts the cores, never ``workers``.
+    """
+    groups = _groups(p.batch_shape, targets)
+    n_tiles = -(-p.lq // BLOCK_Q) * -(-p.lk // BLOCK_K)
+    if len(groups) >= workers() or n_tiles < 2:
+        return [(g, "all", None, None) for g in groups]
+    tasks = []
+    kv = {n: targets[n] for n in ("k", "v")}
+    for g in _groups(p.batch_shape, kv):
+        tasks += [(g, "kv", j0, None) for j0 in range(0, p.lk, BLOCK_K)]
+    others = {n: t for n, t in targets.items() if n not in kv}
+    padded = {n: t.padded(len(p.batch_shape)) for n, t in others.items()}
+    # a query block's bias-like gradients are its own rows only for a full-row bias
+    split_rows = (p.rel_bias is None and p.rel_q is None and p.bias_block is None
+                  and (p.bias is None or padded["bias"][-2] == p.lq))
+    for g in _groups(p.batch_shape, others):
+        if split_rows:
+            tasks += [(g, "q", None, i0) for i0 in range(0, p.lq, BLOCK_Q)]
+        else:
+            tasks.append((g, "q", None, None))
+    return tasks
+
+
+def _groups(batch_shape, targets):
+    """The batch elements cut into the finest groups such that the batch elements adding into
+    one gradient slot (of any input) share a group; each group in C order, the groups in the
+    C order of their first element. The plan depends on the problem only, never on the
+    thread count."""
+    elements = list(np.ndindex(*batch_shape))
+    parent = list(range(len(elements)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for t in targets.values():
+        first = {}
+        for n, b in enumerate(elements):
+            slot = t.slot(b)
+            if slot in first:
+                a, c = root(first[slot]), root(n)
+                parent[max(a, c)] = min(a, c)
+            else:
+                first[slot] = n
+    groups = {}
+    for n, b in enumerate(elements):
+        groups.setdefault(root(n), []).append(b)
+    return [groups[r] for r in sorted(groups)]
+
+
+def _visible_query_range(j0, j1, p):
+    """Half-open query range ``[i0, i1)`` of the rows that may see a key of ``[j0, j1)``:
+    row ``i`` sees key ``j`` only if ``-left <= j - (i + diag) <= right``."""
+    left, right = p.window
+    diag = p.diagonal_offset
+    i0 = 0 if right is None else max(0, j0 - diag - right)
+    i1 = p.lq if left is None else min(p.lq, j1 - 1 - diag + left + 1)
+    return i0, max(i0, i1)
+
+
+class _Element:
+    """The per-batch-element data of one task: queries, output gradient, lse and Delta."""
+
+    def __init__(self, bp, b):
+        p = bp.forward
+        acc = p.acc_dtype
+        self.b = b
+        self.qs = _blas_ready(p.q[b], acc) * acc.type(p.scale)      # (Lq, D), scaled
+        self.do = np.ascontiguousarray(_blas_ready(bp.dout[b], acc))  # (Lq, Dv)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
+            self.delta = np.einsum("ij,ij->i", self.do, _blas_ready(bp.out[b], acc))
+        lse = np.array(bp.lse[b], dtype=acc)
+        # a row that sees no key (lse = -inf) gets P = exp(s - inf) = 0 everywhere, never
+        # exp(-inf - (-inf)) = NaN
+        lse[lse == -np.inf] = np.inf
+        self.lse = lse
+        self.k, self.v = p.k[b], p.v[b]
+        self.kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
+        self.slope = None if p.alibi_slopes is None else acc.type(p.alibi_slopes[b])
+        self.terms = {}
+
+    def score_terms(self, p, i0, i1):
+        """The forward's additive terms of queries ``[i0, i1)`` (built once per query tile)."""
+        terms = self.terms.get(i0)
+        if terms is None:
+            terms = self.terms[i0] = _ScoreTerms(p, self.b, i0, i1)
+        return terms
+
+
+def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=None):
+    """Add batch element ``b``'s gradients into ``buffers`` (the padded gradient arrays):
+    ``part`` "kv" (dK, dV), "q" (dQ and the bias-like terms) or "all", over the key block
+    starting at ``key_block`` and the query block starting at ``query_block`` (None: all)."""
+    p = bp.forward
+    acc = p.acc_dtype
+    e = _Element(bp, b)
+    t = bp.targets
+    slots = {name: t[name].slot(b) for name in t}
+    dq, dk, dv = (buffers[n][slots[n]] for n in ("q", "k", "v"))     # (Lq, D), (Lk, D), (Lk, Dv)
+    kv_part, q_part = part in ("all", "kv"), part in ("all", "q")
+    for j0 in range(0, e.kv_len, BLOCK_K):                 # keys past kv_lengths: never read
+        if key_block is not None and j0 != key_block:
+            continue
+        j1 = min(j0 + BLOCK_K, e.kv_len)
+        r0, r1 = _visible_query_range(j0, j1, p)
+        k_blk = _blas_ready(e.k[j0:j1], acc)                          # (bk, D)
+        v_blk = _blas_ready(e.v[j0:j1], acc)                          # (bk, Dv)
+        for i0 in range(r0 // BLOCK_Q * BLOCK_Q, r1, BLOCK_Q):
+            if query_block is not None and i0 != query_block:
+                continue
+            i1 = min(i0 + BLOCK_Q, p.lq)
+            a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
+                                                p.diagonal_offset)
+            js, je = max(a, j0), min(z, j1)
+            if js >= je:
+                continue
+            kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
+            seen = _Visibility(p, e, i0, i1, js, je, kt)
+            prob, ds, ds_content = _tile(p, e, i0, i1, js, je, kt, vt, seen)
+            if kv_part:
+                # dV += P^T dO; dK += dS^T (scale Q)
+                dv[js:je] += _product(prob.T, e.do[i0:i1], seen.transposed)
+                dk[js:je] += _product(ds_content.T, e.qs[i0:i1], seen.transposed)
+            if q_part:
+                _bias_gradients(p, e, buffers, slots, ds, i0, i1, js, je)
+                _relative_logit_gradients(p, e, buffers, slots, ds_content, i0, i1, js, je)
+                dq[i0:i1] += _product(ds_content, kt, seen)        # dQ += dS K (scaled later)
+
+
+class _Visibility:
+    """The (n, w) boolean "row may see key" of a tile, computed only when asked (only the paths
+    for non-finite numbers need it)."""
+
+    def __init__(self, p, e, i0, i1, js, je, kt):
+        self._args = (p, e, i0, i1, js, je, kt)
+        self._visible = None
+
+    def __call__(self):
+        if self._visible is None:
+            self._visible = _scores(*self._args)[0] != -np.inf
+        return self._visible
+
+    def transposed(self):
+        return self().T
+
+
+def _product(a, b, visible):
+    """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see it
+    (``visible()``: where ``a``'s entries are real scores): 0 * NaN must not carry NaN into a
+    gradient that the non-finite number has no path to."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = a @ b
+        if np.isfinite(np.sum(out)):
+            return out
+    return _nonfinite_values(a, b, visible, out)
+
+
+def _scores(p, e, i0, i1, js, je, kt):
+    """The forward's logits of the tile, -inf where a row may not see a key, and the tanh of
+    the soft cap (None without one) for its derivative.
+
+    The same terms in the same order as the forward's tile (``engines/numpy.py``), so that
+    ``exp(s - lse)`` is the forward's ``P``.
+    """
+    acc = p.acc_dtype
+    terms = e.score_terms(p, i0, i1)
+    s = e.qs[i0:i1] @ kt.T
+    terms.add_relative_logits(s, js, je)               # + rel_q . rel_k[delta]
+    tanh = None
+    cap = None if p.softcap is None else acc.type(p.softcap)
+    if cap is not None and not p.softcap_bias:
+        tanh = _soft_cap(s, cap)                       # the content score only
+    terms.add_biases(s, js, je)                        # + bias (or block bias) + rel_bias
+    diag = np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)
+    cols = np.arange(js, je)
+    if e.slope is not None:                            # ALiBi: -slope * |i + diag - j|
+        with np.errstate(over="ignore"):
+            s -= e.slope * np.abs(diag[:, None] - cols[None, :]).astype(acc)
+    if cap is not None and p.softcap_bias:
+        tanh = _soft_cap(s, cap)                       # the whole logit
+    left, right = p.window
+    if left is not None and js < diag[-1] - left:
+        np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
+    if right is not None and je - 1 > diag[0] + right:
+        np.copyto(s, -np.inf, where=cols[None, :] > (diag + right)[:, None])
+    if p.mask is not None:
+        np.copyto(s, -np.inf, where=~p.mask[e.b][i0:i1, js:je])
+    return s, tanh
+
+
+def _soft_cap(s, cap):
+    """``s = cap * tanh(s / cap)`` in place, as the forward computes it; returns the tanh."""
+    s /= cap
+    np.tanh(s, out=s)
+    tanh = s.copy()
+    s *= cap
+    return tanh
+
+
+def _tile(p, e, i0, i1, js, je, kt, vt, seen):
+    """One tile's ``(P, dS, dS_content)``: the probabilities, the gradient of the logit and the
+    gradient of the content score (they differ only under a soft cap of the content score)."""
+    s, tanh = _scores(p, e, i0, i1, js, je, kt)
+    # P = exp(s - lse): s becomes P
+    with np.errstate(invalid="ignore"):
+        s -= e.lse[i0:i1, None]
+    np.exp(s, out=s)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # dS = P * (dP - Delta), dP = dO V^T
+        ds = e.do[i0:i1] @ vt.T
+        ds -= e.delta[i0:i1, None]
+        ds *= s
+        finite = np.isfinite(np.sum(ds))
+    if not finite:
+        # NaN or inf in V, dO, O, lse or the scores reaches P or dS at invisible places
+        # (0 * NaN, exp(-inf - NaN)): those have no gradient, so NaN stays where it belongs
+        hidden = ~seen()
+        np.copyto(ds, 0, where=hidden)
+        np.copyto(s, 0, where=hidden)
+    if tanh is None:
+        return s, ds, ds
+    # d/dx c tanh(x / c) = 1 - tanh^2
+    np.multiply(tanh, tanh, out=tanh)
+    np.subtract(1, tanh, out=tanh)
+    if p.softcap_bias:
+        ds *= tanh                                     # every term sits under the cap
+        return s, ds, ds
+    return s, ds, ds * tanh
+
+
+# --------------------------------------------------------------------------------------------
+# gradients of the score terms
+
+
+def _add_tail(buffer, slot, g, starts):
+    """``buffer[slot][starts...] += g``, summing ``g`` over each trailing axis along which the
+    input was broadcast (buffer length 1)."""
+    region = buffer[slot]
+    index = []
+    for axis, start in enumerate(starts):
+        if region.shape[axis] == 1:                    # broadcast: (one tile row or not)
+            g = g.sum(axis=axis, keepdims=True) if g.shape[axis] != 1 else g
+            start = 0
+        index.append(slice(start, start + g.shape[axis]))
+    region[tuple(index)] += g
+
+
+def _bias_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
+    """The gradients of ``bias`` (or the block bias) and ``rel_bias`` from the tile's ``dS``."""
+    if p.bias is not None and p.bias_block is None:
+        _add_tail(buffers["bias"], slots["bias"], ds, (i0, js))
+    elif p.bias is not None:
+        # bias[I, J] is added to every score of block (I, J): its gradient is the block's sum
+        r, c = p.bias_block
+        rows = np.unique(np.r_[0, np.arange(-i0 % r, i1 - i0, r)])   # tile rows starting a block
+        cols = np.unique(np.r_[0, np.arange(-js % c, je - js, c)])
+        g = np.add.reduceat(np.add.reduceat(ds, rows, axis=0), cols, axis=1)
+        _add_tail(buffers["bias"], slots["bias"], g, (i0 // r, js // c))
+    if p.rel_bias is not None:
+        terms = e.score_terms(p, i0, i1)
+        # rel_bias[rb + clip(delta)] is added along each diagonal of the tile: sum dS along
+        # the diagonals (band entry t = (j - js) - (i - i0) + n - 1), then by table entry
+        index = terms._band(0, terms.n, js, je, p.rel_bias_radius)
+        _scatter(buffers["rel_bias"], slots["rel_bias"], index, _diagonal_sums(ds))
+
+
+def _relative_logit_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
+    """``rel_q`` and ``rel_k`` gradients of the term ``rel_q[i] . rel_k[rk + clip(delta)]``."""
+    if p.rel_q is None:
+        return
+    acc = p.acc_dtype
+    n, w = ds.shape
+    terms = e.score_terms(p, i0, i1)
+    index = terms._band(0, n, js, je, p.rel_k_radius)              # (nb,) table entries
+    band = _blas_ready(p.rel_k[e.b][index], acc)                     # (nb, Dr)
+    # the forward adds products[i, t] = rel_q[i] . band[t] at t = (j - js) - (i - i0) + n - 1:
+    # the gradient of the (n, nb) products is dS skewed into that layout, zero elsewhere
+    g = np.zeros((n, n + w - 1), dtype=acc)
+    _skew(g)[...] = ds
+    _add_tail(buffers["rel_q"], slots["rel_q"], g @ band, (i0, 0))
+    _scatter(buffers["rel_k"], slots["rel_k"], index, g.T @ terms.rel_q)
+
+
+def _skew(g):
+    """The writable (n, w) view ``v[i, j] = g[i, j - i + n - 1]`` of an (n, n + w - 1) ``g``."""
+    n, nb = g.shape
+    flat = g.reshape(-1)
+    item = flat.itemsize
+    return np.lib.stride_tricks.as_strided(flat[n - 1:], shape=(n, nb - n + 1),
+                                           strides=((nb - 1) * item, item))
+
+
+def _diagonal_sums(ds):
+    """``out[t] = sum of ds[i, j]`` over ``j - i + n - 1 = t``: (n + w - 1,)."""
+    n, w = ds.shape
+    g = np.zeros((n, n + w - 1), dtype=ds.dtype)
+    _skew(g)[...] = ds
+    return g.sum(axis=0)
+
+
+def _scatter(buffer, slot, index, values):
+    """``buffer[slot][..., index, ...] += values`` along the table axis, repeated entries (the
+    clamped distances) summed in order."""
+    np.add.at(buffer[slot], index, values)

@@ -1,0 +1,447 @@
+"""The CUDA backward kernels (``attention_bwd_simt``) against a float64 dense reference.
+
+Emulated on the CPU (``backend="emulate"``) and, marked ``gpu``, on CuPy arrays, through the
+engine's per-batch entry :func:`cuonline.engines.cuda_backward.gradients`. Tolerances follow
+FlashAttention's rule: the kernel's error against the float64 reference is at most a small
+multiple of the error of a naive computation in the same precision (every intermediate
+rounded to the input dtype), plus a floor for float64, where the naive error is ~1e-16.
+Then determinism (bitwise), zero and NaN rows, the host's dS reductions, the planner, the
+listing, and ThreadSanitizer. The barrier mutants of ``attention_bwd_simt.cu`` run in
+``tests/test_barrier_mutants.py`` (its case ``bwd_simt`` in ``tests/support.py``).
+
+Every distinct option set is one emulated compile (~20-40 s on 2 cores): the matrix is small.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mutants import barrier_mutant_sources, barrier_mutants
+from support import (BFLOAT16, check_races, cuda_backend_params, make_case, needs_emulation,
+                     problem_of)
+
+from cuonline.kernels import families, features, heuristics
+from cuonline.kernels.specs import AttentionBwdSimtSpec
+
+BACKENDS = cuda_backend_params()
+DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
+GRADIENTS = ("dq", "dk", "dv", "dbias")
+
+# --------------------------------------------------------------------------------------------
+# the reference: dense, float64, from the softmax Jacobian
+
+
+def reference_backward(q, k, v, dout, *, rounding=None, scale=None, causal=False, window=None,
+                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
+                       softcap_bias=False, q_offset=None, k_offset=0):
+    """``{dq, dk, dv, dbias}`` (dbias: per batch element, ``batch + (lq, lk)``) of
+    ``sum(dout * attention(q, k, v))``, written from the definitions in float64.
+
+    ``rounding`` (a dtype): every intermediate (scores, weights, dP, dS, gradients) rounded to
+    it, the naive same-precision computation the tolerances are measured against.
+    """
+    def rnd(x):
+        return x if rounding is None else x.astype(rounding).astype(np.float64)
+
+    def product(spec, a, b):
+        # a naive computation's matrix products accumulate in float32 (as a float16 or float32
+        # GEMM does), the reference's in float64
+        if rounding is None:
+            return np.einsum(spec, a, b)
+        return np.einsum(spec, rnd(a).astype(np.float32), rnd(b).astype(np.float32)).astype(
+            np.float64)
+
+    q, k, v, dout = (np.asarray(x).astype(np.float64) for x in (q, k, v, dout))
+    lq, d = q.shape[-2:]
+    lk = k.shape[-2]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], dout.shape[:-2])
+    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
+    q_offset = lk - lq if q_offset is None else q_offset
+    delta = np.arange(lk)[None, :] - np.arange(lq)[:, None] + (k_offset - q_offset)
+
+    # logits: content (capped unless softcap_bias), bias, ALiBi, the cap of the whole logit
+    content = rnd(scale * np.broadcast_to(product("...id,...jd->...ij", q, k),
+                                          batch + (lq, lk)))
+    d_content = np.full_like(content, scale)        # d content / d (q·k)
+    if softcap is not None and not softcap_bias:
+        t = np.tanh(content / softcap)
+        content, d_content = softcap * t, scale * (1 - t * t)
+    z = content
+    if bias is not None:
+        z = z + np.asarray(bias, dtype=np.float64)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), batch)
+        z = z - slopes[..., None, None] * np.abs(delta)
+    d_logit = np.ones_like(z)                        # d logit / d z
+    if softcap is not None and softcap_bias:
+        t = np.tanh(z / softcap)
+        z, d_logit = softcap * t, 1 - t * t
+
+    visible = np.ones(batch + (lq, lk), dtype=bool)
+    if causal:
+        visible &= delta <= 0
+    if window is not None:
+        left, right = window
+        visible &= (delta >= -left if left is not None else True)
+        visible &= (delta <= right if right is not None else True)
+    if mask is not None:
+        visible &= np.asarray(mask)
+    if kv_lengths is not None:
+        lengths = np.broadcast_to(np.asarray(kv_lengths), batch)
+        visible &= np.arange(lk) < lengths[..., None, None]
+
+    # P: the softmax over the visible keys; rows that see none have P = 0
+    x = np.where(visible, z, -np.inf)
+    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
+    e = np.where(visible, np.exp(x - np.where(np.isfinite(m), m, 0)), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    p = rnd(np.where(total > 0, e / np.where(total > 0, total, 1), 0.0))
+
+    def bc(a, rows):
+        return np.broadcast_to(a, batch + (rows, a.shape[-1]))
+
+    do, vb, kb, qb = bc(dout, lq), bc(v, lk), bc(k, lk), bc(q, lq)
+    dv = product("...ij,...id->...jd", p, do)
+    dp = rnd(product("...id,...jd->...ij", do, vb))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))   # rowsum(P dP) = Delta
+    g_bias = rnd(ds * d_logit)
+    g_qk = rnd(g_bias * d_content)
+    dq = product("...ij,...jd->...id", g_qk, kb)
+    dk = product("...ij,...id->...jd", g_qk, qb)
+    return {"dq": rnd(dq), "dk": rnd(dk), "dv": rnd(dv), "dbias": g_bias}
+
+
+# --------------------------------------------------------------------------------------------
+# running the engine
+
+
+def run_backward(backend, q, k, v, dout, options, *, kernel_sources=None, emulate_options=None):
+    """The per-batch gradients of the CUDA engine (NumPy results) at the NumPy engine's
+    forward out and lse."""
+    import cuonline
+    from cuonline.engines import cuda_backward
+    from cuonline.engines.target import overrides
+    out, lse = cuonline.attention(q, k, v, backend="numpy", return_lse=True, **options)
+    p = problem_of(backend, q, k, v, **options)
+    xp = p.xp
+    # the SIMT family for every dtype (the tensor-core one has tests/test_backward_mma.py)
+    with overrides(kernel_sources=kernel_sources, emulate_options=emulate_options,
+                   family="attention_bwd_simt"):
+        g = cuda_backward.gradients(p, xp.asarray(dout), xp.asarray(out), xp.asarray(lse))
+    return {n: (None if x is None else (x.get() if xp is not np else np.asarray(x)))
+            for n, x in g.items()}
+
+
+def case(seed, dtype, options=(), *, lq=70, lk=45, d=16, dv=24, batch=(2,)):
+    """q, k, v, dout and the options: 70 queries and 45 keys are 3 and 2 tiles of 32 with
+    ragged tails (the default float32 tiles are 32 x 32 at these widths)."""
+    q, k, v, opts = make_case(seed, batch=batch, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype,
+                              options=options)
+    dout = np.random.default_rng(seed + 1).standard_normal(batch + (lq, dv)).astype(dtype)
+    return q, k, v, dout, opts
+
+
+#: Error floor per dtype, relative to the gradient's largest magnitude: float64's naive
+#: error is taken as 0 (the floor alone decides); float32's kernel also inherits the float32
+#: forward's out and lse (Delta and P), errors of about 2-4x the naive one at these sizes
+#: (measured: kernel <= 1e-6, naive >= 1.3e-7 for gradients of magnitude 1-3).
+FLOOR = {np.dtype(np.float64): 1e-13, np.dtype(np.float32): 1e-6, np.dtype(np.float16): 1e-5}
+if BFLOAT16 is not None:
+    FLOOR[BFLOAT16] = 1e-4
+#: FlashAttention holds its gradients to 2x the naive error; ours accumulate in float32 even
+#: for 16-bit inputs and are 5-1000x below it there (measured).
+FACTOR = 2.0
+
+
+def check_gradients(got, q, k, v, dout, options):
+    dtype = np.dtype(q.dtype)
+    exact = reference_backward(q, k, v, dout, **options)
+    # naive float64 is the reference itself: the floor alone decides there
+    naive = exact if dtype == np.float64 else reference_backward(q, k, v, dout, rounding=dtype,
+                                                                 **options)
+    for name in GRADIENTS:
+        if got.get(name) is None:
+            assert name == "dbias" and options.get("bias") is None
+            continue
+        assert got[name].shape == exact[name].shape, name
+        err = float(np.max(np.abs(got[name] - exact[name]), initial=0.0))
+        naive_err = float(np.max(np.abs(naive[name] - exact[name]), initial=0.0))
+        scale = max(1.0, float(np.max(np.abs(exact[name]), initial=0.0)))
+        limit = FACTOR * naive_err + FLOOR[dtype] * scale
+        assert err <= limit, f"{name}: error {err:.3g} > {limit:.3g} (naive {naive_err:.3g})"
+
+
+# --------------------------------------------------------------------------------------------
+# the emulated matrix
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_dtype_matches_the_reference_with_tails_both_ways(backend, dtype):
+    for lq, lk in ((70, 45), (33, 97), (1, 5)):      # Lq > Lk, Lq < Lk, a single query
+        q, k, v, dout, opts = case(lq * 100 + lk, dtype, lq=lq, lk=lk)
+        check_gradients(run_backward(backend, q, k, v, dout, opts), q, k, v, dout, opts)
+
+
+#: One compile each: the common options first, then the soft cap of the whole logit.
+OPTION_SETS = [
+    ("causal",),
+    ("causal", "offsets"),
+    ("window", "scale"),
+    ("bias", "mask", "kv_lengths", "alibi_slopes", "softcap"),
+    ("softcap_bias", "window", "alibi_slopes"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", OPTION_SETS, ids="-".join)
+def test_options_float32(backend, options):
+    # square (the causal diagonal through every tile), both ragged shapes, and band edges on
+    # a tile edge (32-row tiles): Lk - Lq = 1 puts a causal key tile's first query at 31 mod
+    # 32, Lk - Lq = 8 the window's last one at 0 mod 32
+    for lq, lk in ((65, 65), (70, 45), (40, 75), (64, 65), (65, 73)):
+        q, k, v, dout, opts = case(lq + 7 * lk, np.float32, options, lq=lq, lk=lk)
+        check_gradients(run_backward(backend, q, k, v, dout, opts), q, k, v, dout, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_option_float64(backend):
+    options = ("causal", "offsets", "bias", "mask", "kv_lengths", "alibi_slopes", "softcap_bias")
+    q, k, v, dout, opts = case(11, np.float64, options)
+    check_gradients(run_backward(backend, q, k, v, dout, opts), q, k, v, dout, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float16] + ([BFLOAT16] if BFLOAT16 is not None else []),
+                         ids=lambda d: np.dtype(d).name)
+def test_16bit_with_options(backend, dtype):
+    options = ("causal", "bias", "mask", "kv_lengths", "softcap")
+    q, k, v, dout, opts = case(12, dtype, options, lq=65, lk=70)
+    check_gradients(run_backward(backend, q, k, v, dout, opts), q, k, v, dout, opts)
+
+
+@needs_emulation
+def test_two_runs_are_bitwise_identical():
+    q, k, v, dout, opts = case(5, np.float32, OPTION_SETS[3])
+    first = run_backward("emulate", q, k, v, dout, opts)
+    second = run_backward("emulate", q, k, v, dout, opts)
+    for name in GRADIENTS:
+        assert first[name].tobytes() == second[name].tobytes(), name
+
+
+@needs_emulation
+def test_rows_that_see_no_key_get_zeros_and_padding_is_never_read():
+    q, k, v, dout, opts = case(6, np.float32, OPTION_SETS[3])
+    lengths = opts["kv_lengths"]                       # batch 0 sees no key at all
+    assert lengths.flat[0] == 0
+    # NaN padding past each batch element's length: never read, so no gradient sees it
+    for b, n in enumerate(lengths):
+        k[b, n:] = np.nan
+        v[b, n:] = np.nan
+    g = run_backward("emulate", q, k, v, dout, opts)
+    for name in GRADIENTS:
+        assert np.isfinite(g[name]).all(), name
+    assert not g["dq"][0].any() and not g["dbias"][0].any()
+    for b, n in enumerate(lengths):
+        assert not g["dk"][b, n:].any() and not g["dv"][b, n:].any()
+    # the fully masked row of the mask (row 0) has no gradient in any batch element
+    assert not g["dq"][:, 0].any() and not g["dbias"][:, 0].any()
+
+
+@needs_emulation
+def test_nan_stays_in_its_rows_and_behind_the_mask():
+    q, k, v, dout, opts = case(8, np.float32, ("causal",), lq=65, lk=65)
+    q[0, 5, 3] = np.nan            # query 5 of batch 0 sees keys 0..5 (causal)
+    k[1, 40, 0] = np.nan           # key 40 of batch 1: seen by queries 40..64 only
+    g = run_backward("emulate", q, k, v, dout, opts)
+    bad_dq = ~np.isfinite(g["dq"]).all(axis=-1)
+    assert bad_dq[0].tolist() == [i == 5 for i in range(65)]
+    assert bad_dq[1].tolist() == [i >= 40 for i in range(65)]
+    # dK and dV of a key are NaN where a NaN row's weights reach it: batch 0's keys 0..5;
+    # in batch 1 rows 40..64 have a NaN lse, and row 64 sees every key
+    for name in ("dk", "dv"):
+        bad = ~np.isfinite(g[name]).all(axis=-1)
+        assert bad[0].tolist() == [j <= 5 for j in range(65)], name
+        assert bad[1].all(), name
+
+
+# --------------------------------------------------------------------------------------------
+# the public API on the emulated engine: gradients summed to the inputs' shapes as passed
+
+
+def _api_case(dtype):
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 3, 37, 16)).astype(dtype)      # 3 query heads ...
+    k = rng.standard_normal((2, 1, 41, 16)).astype(dtype)      # ... share one key head
+    v = rng.standard_normal((2, 1, 41, 8)).astype(dtype)
+    return rng, q, k, v
+
+
+API_OPTIONS = {
+    "gqa-causal": lambda rng: dict(causal=True),
+    "shared-bias": lambda rng: dict(bias=rng.standard_normal((37, 41)).astype(np.float32),
+                                    kv_lengths=np.array([41, 30])[:, None]),
+    "block-bias": lambda rng: dict(bias=rng.standard_normal((1, 10, 6)), bias_block=(4, 7)),
+    "rel-bias": lambda rng: dict(rel_bias=rng.standard_normal((3, 9)), window=(20, 3),
+                                 alibi_slopes=np.array([0.1, 0.2, 0.3])),
+    # rel_q per query head, rel_k shared by them (and by the heads' key head)
+    "rel-qk": lambda rng: dict(rel_q=rng.standard_normal((3, 37, 5)),
+                               rel_k=rng.standard_normal((2, 1, 9, 5)), causal=True),
+    # the cap of the content score, which rel_q·rel_k is part of; then every term at once
+    "rel-qk-capped": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
+                                      rel_k=rng.standard_normal((7, 5)), softcap=2.0),
+    "every-term": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
+                                   rel_k=rng.standard_normal((7, 5)), softcap=2.0,
+                                   softcap_bias=True, bias=rng.standard_normal((37, 41)),
+                                   rel_bias=rng.standard_normal((5,)), q_offset=3, k_offset=-2),
+}
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(API_OPTIONS))
+def test_attention_backward_on_the_emulated_engine(name, dtype):
+    import cuonline
+    from oracle import reference_attention_backward
+    rng, q, k, v = _api_case(dtype)
+    options = API_OPTIONS[name](rng)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = reference_attention_backward(dout, q, k, v, **options)
+    inputs = dict(dq=q, dk=k, dv=v, dbias=options.get("bias"),
+                  drel_bias=options.get("rel_bias"), drel_q=options.get("rel_q"),
+                  drel_k=options.get("rel_k"))
+    for field, x in inputs.items():
+        g = getattr(got, field)
+        if x is None:
+            assert g is None, field
+            continue
+        assert g.shape == x.shape and g.dtype == x.dtype, (field, g.shape, g.dtype)
+        # each gradient in the dtype of its input as passed: float64 accuracy only where both
+        # the computation (q's dtype) and the result are float64
+        tol = 1e-11 if g.dtype == np.float64 and dtype == np.float64 else 2e-5
+        scale = max(1.0, float(np.abs(want[field]).max()))
+        assert np.abs(g - want[field]).max() <= tol * scale, field
+
+
+@needs_emulation
+@pytest.mark.parametrize("lq, lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 0, 4),
+                                           (5, 6, 4, 0), (1, 1, 1, 1)])
+def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):
+    import cuonline
+    rng = np.random.default_rng(lq + 10 * lk + 100 * d + 1000 * dv)
+    q, k = rng.standard_normal((2, lq, d)), rng.standard_normal((2, lk, d))
+    v, bias = rng.standard_normal((2, lk, dv)), rng.standard_normal((lq, lk))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, bias=bias)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", bias=bias)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, backend="numpy", bias=bias)
+    for field in ("dq", "dk", "dv", "dbias"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert g.shape == w.shape and np.allclose(g, w, rtol=0, atol=1e-13), field
+
+
+# --------------------------------------------------------------------------------------------
+# the host's reductions of dS (pure functions)
+
+
+def test_block_sums_sum_each_block_of_places():
+    from cuonline.engines.cuda_backward import block_sums
+    ds = np.random.default_rng(0).standard_normal((2, 7, 10))
+    got = block_sums(np, ds, (3, 4))
+    assert got.shape == (2, 3, 3)
+    for a in range(3):
+        for c in range(3):
+            assert np.allclose(got[:, a, c], ds[:, 3 * a:3 * a + 3, 4 * c:4 * c + 4].sum((1, 2)))
+
+
+@pytest.mark.parametrize("diag, radius", [(0, 2), (3, 4), (-5, 1), (0, 0), (2**40, 3), (0, 20)])
+def test_diagonal_sums_sum_each_clipped_distance(diag, radius):
+    from cuonline.engines.cuda_backward import diagonal_sums
+    lq, lk = 6, 9
+    ds = np.random.default_rng(1).standard_normal((2, lq, lk))
+    got = diagonal_sums(np, ds, diag, radius)
+    want = np.zeros((2, 2 * radius + 1))
+    for i in range(lq):
+        for j in range(lk):
+            want[:, radius + min(max(j - i - diag, -radius), radius)] += ds[:, i, j]
+    assert np.allclose(got, want, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# planner, spec and listing (pure)
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_75", "sm_80", "sm_90"])
+def test_tiles_fit_the_arch_and_the_listing_has_every_dtype(arch):
+    specs = [s for s in families.listing_specs(arch) if s.family == "attention_bwd_simt"]
+    assert {s.dtype for s in specs} == {"float16", "bfloat16", "float32", "float64"}
+    for spec in specs:
+        assert spec.shared_bytes <= heuristics.bwd_smem_limit(arch), spec.key
+        assert spec.write_ds == any(n in ("bias", "rel_bias") for n in spec.features)
+    # float64 D = 256 needs sm_80's opt-in shared memory; below, the planner refuses it
+    big = [s for s in specs if s.dtype == "float64" and s.d == 256]
+    assert bool(big) == (arch in ("sm_80", "sm_90"))
+    if arch in ("sm_70", "sm_75"):
+        with pytest.raises(ValueError, match="backend='numpy'"):
+            heuristics.choose_bwd_tiles("float64", 256, 256, arch)
+
+
+def test_spec_key_defines_and_refusals():
+    spec = AttentionBwdSimtSpec(dtype="float32", acc="float32", d=64, dv=64, warps=4,
+                                rows_per_warp=4, items_per_lane=1, write_ds=True,
+                                features=("bias", "window"))
+    assert spec.key == "attention_bwd_simt_f32_d64_dv64_br16_bc32_w4_ds_window_bias"
+    defines = spec.defines()
+    assert defines["CUONLINE_WRITE_DS"] == 1 and defines["CUONLINE_HAS_WINDOW"] == 1
+    assert defines["CUONLINE_RETURN_LSE"] == 0 and defines["CUONLINE_SPLIT"] == 0
+    for bad in (dict(features=("return_lse",)), dict(split=True), dict(features=("rel_qk",)),
+                dict(dr=8), dict(features=("softcap_bias",))):
+        with pytest.raises(ValueError, match="attention_bwd_simt"):
+            AttentionBwdSimtSpec(dtype="float32", acc="float32", d=64, dv=64, warps=4,
+                                 rows_per_warp=4, items_per_lane=1, **bad)
+
+
+def test_plan_covers_every_key_and_query_tile():
+    q, k, v, dout, opts = case(0, np.float32, ("bias",), lq=70, lk=45)
+    plan = heuristics.plan_bwd_simt(problem_of("emulate", q, k, v, **opts))
+    spec = plan.spec
+    assert spec.write_ds and spec.features == ("bias",)
+    assert plan.grid_dkdv == (2 * -(-45 // spec.block_r), 1, 1)
+    assert plan.grid_dq == (2 * -(-70 // spec.block_r), 1, 1)
+    assert "return_lse" not in features.backward_of_problem(
+        problem_of("emulate", q, k, v, return_lse=True))
+
+
+# --------------------------------------------------------------------------------------------
+# races
+
+# 40 queries and keys: two tiles of each, so each loop's barriers are crossed; plain, then
+# with the rel_q / rel_k staging (and dS, dC written)
+_TSAN_SCRIPT = """
+import numpy as np
+from support import make_case, problem_of
+from cuonline.engines import cuda_backward
+from cuonline.engines.target import overrides
+rng = np.random.default_rng(5)
+q, k, v, _ = make_case(4, lq=40, lk=40)
+dout = rng.standard_normal((2, 40, 24)).astype(np.float32)
+out = np.zeros_like(dout)
+lse = np.zeros((2, 40), dtype=np.float32)
+terms = dict(rel_q=rng.standard_normal((40, 4)), rel_k=rng.standard_normal((9, 4)),
+             bias=rng.standard_normal((40, 40)))
+for options in ({{}}, terms):
+    with overrides(kernel_sources={sources!r}, emulate_options=dict(mode="threads", tsan=True)):
+        g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)
+print("DONE", g["dq"].shape)
+"""
+
+#: The dK/dV kernel's barrier that keeps a query tile alive until every warp accumulated it.
+_MUTANT = next(n for n in sorted(barrier_mutants()) if n.startswith("attention_bwd_simt.cu:"))
+
+
+@pytest.mark.parametrize("name", [None, _MUTANT], ids=["correct", "barrier_removed"])
+def test_thread_sanitizer(name):
+    sources = barrier_mutant_sources(name) if name else None
+    check_races(_TSAN_SCRIPT.format(sources=sources), expect_race=name is not None)
