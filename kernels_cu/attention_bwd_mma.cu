@@ -4,8 +4,9 @@
 // Variant selection: source.py prepends #define lines (cuonline/kernels/specs.py,
 // AttentionBwdMmaSpec), then the files cuonline/kernels/families.py lists: common.cuh,
 // tensor_core.cuh, mma_fragments.cuh (Ops<T>: the forward's fragment traits), mma_tile_load.cuh
-// (TileLoader) and attention_score.cuh (the forward's score pipeline). Required defines, beside
-// the feature flags of attention_score.cuh:
+// (TileLoader), attention_score.cuh (the forward's score pipeline) and attention_grads.cuh (the
+// backward families' parameters, P and the gradients at one place, one text with the SIMT
+// family). Required defines, beside the feature flags of attention_score.cuh:
 //   CUONLINE_T, CUONLINE_ACC       element / accumulation type, as attention_fwd_mma.cu
 //                                  (__half or __nv_bfloat16 with float; float (tf32) with
 //                                  float; double with double)
@@ -103,37 +104,6 @@ constexpr int kOwnElems = kBlockR * (LD::kStride + LDv::kStride);
 constexpr int kTileElems = kBlockC * (LD::kStride + LDv::kStride);
 typedef TileLoader<kThreads, kCpAsync> Tiles;
 
-// P = exp(s - lse) of logit s (-inf: invisible) in a row of log-sum-exp lse; 0 for an
-// invisible place and for a row that sees no key (as attention_bwd_simt.cu).
-__device__ __forceinline__ Acc weight(Acc s, Acc lse) {
-    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);
-    return exp2_((s - lse) * log2e(Acc()));
-}
-
-// The gradients at one place from P, dP and Delta (as attention_bwd_simt.cu's logit_grads):
-// g_bias (dS through a soft cap of the whole logit), g_content (through the content score's
-// cap) and the return value, the gradient of the raw q·k (times the scale). 0 where p is 0.
-__device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc qk, Acc rel,
-                                           Acc scale, Acc softcap, Acc& g_bias,
-                                           Acc& g_content) {
-    if (p == Acc(0)) {
-        g_bias = g_content = Acc(0);
-        return Acc(0);
-    }
-    Acc g = p * (dp - delta);
-    if constexpr (kCapLogit) {
-        const Acc t = s / softcap;
-        g *= Acc(1) - t * t;
-    }
-    g_bias = g;
-    if constexpr (kCapScore) {
-        const Acc t = tanh_((qk * scale + rel) / softcap);
-        g *= Acc(1) - t * t;
-    }
-    g_content = g;
-    return g * scale;
-}
-
 // acc (16 x 8 kN per warp) += A B over kK k-steps, A from the rows [r0, r0 + 16) of sA (an
 // (m, k) tile of layout LA), B^T from the rows of sB (an (n, k) tile of layout LB): the
 // forward's score product, for S, S^T, dP and dP^T.
@@ -204,38 +174,10 @@ __device__ __forceinline__ void write_tile(Acc* out, const Acc (&acc)[kN][4], lo
 }  // namespace bwd_mma
 }  // namespace cuonline
 
-// The parameters of both kernels: attention_bwd_simt.cu's, in the order
-// cuonline/kernels/arguments.py passes them (ATTENTION_BWD_SIGNATURE).
-#define CUONLINE_ATTENTION_BWD_MMA_PARAMS                                                      \
-    const CUONLINE_T* __restrict__ q,             /* per batch: (lq, D) */                    \
-        const CUONLINE_T* __restrict__ k,         /* per batch: (lk, D) */                    \
-        const CUONLINE_T* __restrict__ v,         /* per batch: (lk, Dv) */                   \
-        const CUONLINE_ACC* __restrict__ bias,    /* per batch: (lq, lk) or null */           \
-        const unsigned char* __restrict__ mask,   /* per batch: (lq, lk) or null */           \
-        const long long* __restrict__ kv_lengths, /* (nbatch,) or null */                     \
-        const CUONLINE_ACC* __restrict__ alibi,   /* (nbatch,) or null */                     \
-        const CUONLINE_ACC* __restrict__ rel_bias, /* per batch: (1, Rb) or null */           \
-        const CUONLINE_ACC* __restrict__ rel_q,   /* per batch: (lq, Dr) or null */           \
-        const CUONLINE_ACC* __restrict__ rel_k,   /* per batch: (Rk, Dr) or null */           \
-        const CUONLINE_T* __restrict__ dout,      /* per batch: (lq, Dv) */                   \
-        const CUONLINE_ACC* __restrict__ lse,     /* (nbatch, lq) */                          \
-        const CUONLINE_ACC* __restrict__ delta,   /* (nbatch, lq) */                          \
-        CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
-        CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
-        CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
-        CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
-        const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
-        const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \
-        int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \
-        long long window_left, long long window_right, /* >= 2^60: unbounded */              \
-        int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
-        int rel_bias_radius, int rel_k_radius /* (Rb - 1) / 2, (Rk - 1) / 2 */
-
 // dK and dV of one tile of keys. One block per SM at least, as the forward (ptxas's default
 // target would cap the registers of the accumulators).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd_mma::kThreads, 1)
-cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_MMA_PARAMS)
+cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
 {
     using namespace cuonline;
     using namespace cuonline::bwd_mma;
@@ -348,7 +290,7 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_MMA_PARAMS)
                     Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[n][e], i, j, rel);
-                    const Acc p = weight(x, sLse[ii]);
+                    const Acc p = backward_weight(x, sLse[ii]);
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], sDelta[ii], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);
@@ -368,7 +310,7 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_MMA_PARAMS)
 
 // dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; rel_qk: dC).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd_mma::kThreads, 1)
-cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_MMA_PARAMS)
+cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 {
     using namespace cuonline;
     using namespace cuonline::bwd_mma;
@@ -463,7 +405,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_MMA_PARAMS)
                     Acc rel = Acc(0);
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[n][e], i, j, rel);
-                    const Acc p = weight(x, row_lse[h]);
+                    const Acc p = backward_weight(x, row_lse[h]);
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);

@@ -2,8 +2,9 @@
 // (plain FMA), deterministic: no atomics, every output element written by one thread.
 //
 // Variant selection: source.py prepends #define lines (cuonline/kernels/specs.py,
-// AttentionBwdSimtSpec), then common.cuh and attention_score.cuh (the forward's score pipeline:
-// which keys a query sees and how q·k becomes a logit, so every option has one definition).
+// AttentionBwdSimtSpec), then common.cuh, attention_score.cuh (the forward's score pipeline:
+// which keys a query sees and how q·k becomes a logit, so every option has one definition) and
+// attention_grads.cuh (the backward families' parameters, P and the gradients at one place).
 // Required defines, beside the feature flags of attention_score.cuh:
 //   CUONLINE_T, CUONLINE_ACC       element and accumulation type (float, or double for double)
 //   CUONLINE_D, CUONLINE_DV        head dims of q/k and of v (1..256)
@@ -95,69 +96,8 @@ __device__ __forceinline__ void stage(Acc* s, const T* base, long long row_strid
     }
 }
 
-// The weight P = exp(s - lse) of logit s (-inf: invisible) in a row of log-sum-exp lse; 0 for
-// an invisible place and for a row that sees no key (lse = -inf), whatever the other value.
-__device__ __forceinline__ Acc weight(Acc s, Acc lse) {
-    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);
-    return exp2_((s - lse) * log2e(Acc()));
-}
-
-// From P, dP and Delta at one place: g_bias, the gradient of the loss with respect to the
-// place's additive bias term (dS, through the derivative of a soft cap of the whole logit),
-// g_content, with respect to the content score scale q·k + rel (through the content score's
-// soft cap), and the return value, with respect to the raw q·k (times the scale). s is the
-// logit, qk the raw score, rel = rel_q·rel_k (0 without it). A zero weight gives exactly 0.
-__device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc qk, Acc rel,
-                                           Acc scale, Acc softcap, Acc& g_bias,
-                                           Acc& g_content) {
-    if (p == Acc(0)) {  // invisible (s = -inf: no cap derivative to form) or no weight
-        g_bias = g_content = Acc(0);
-        return Acc(0);
-    }
-    Acc g = p * (dp - delta);
-    if constexpr (kCapLogit) {
-        const Acc t = s / softcap;  // s = cap tanh(z / cap): d s / d z = 1 - tanh^2
-        g *= Acc(1) - t * t;
-    }
-    g_bias = g;
-    if constexpr (kCapScore) {
-        const Acc t = tanh_((qk * scale + rel) / softcap);
-        g *= Acc(1) - t * t;
-    }
-    g_content = g;
-    return g * scale;
-}
-
 }  // namespace bwd
 }  // namespace cuonline
-
-// The parameters of both backward kernels, in the order cuonline/kernels/arguments.py passes
-// them (ATTENTION_BWD_SIGNATURE).
-#define CUONLINE_ATTENTION_BWD_PARAMS                                                          \
-    const CUONLINE_T* __restrict__ q,             /* per batch: (lq, D) */                    \
-        const CUONLINE_T* __restrict__ k,         /* per batch: (lk, D) */                    \
-        const CUONLINE_T* __restrict__ v,         /* per batch: (lk, Dv) */                   \
-        const CUONLINE_ACC* __restrict__ bias,    /* per batch: (lq, lk) or null */           \
-        const unsigned char* __restrict__ mask,   /* per batch: (lq, lk) or null */           \
-        const long long* __restrict__ kv_lengths, /* (nbatch,) or null */                     \
-        const CUONLINE_ACC* __restrict__ alibi,   /* (nbatch,) or null */                     \
-        const CUONLINE_ACC* __restrict__ rel_bias, /* per batch: (1, Rb) or null */           \
-        const CUONLINE_ACC* __restrict__ rel_q,   /* per batch: (lq, Dr) or null */           \
-        const CUONLINE_ACC* __restrict__ rel_k,   /* per batch: (Rk, Dr) or null */           \
-        const CUONLINE_T* __restrict__ dout,      /* per batch: (lq, Dv) */                   \
-        const CUONLINE_ACC* __restrict__ lse,     /* (nbatch, lq) */                          \
-        const CUONLINE_ACC* __restrict__ delta,   /* (nbatch, lq) */                          \
-        CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
-        CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
-        CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
-        CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
-        const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
-        const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \
-        int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \
-        long long window_left, long long window_right, /* >= 2^60: unbounded */              \
-        int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
-        int rel_bias_radius, int rel_k_radius /* (Rb - 1) / 2, (Rk - 1) / 2 */
 
 // dK and dV of one tile of keys. One block per SM at least, as the forward (ptxas's default
 // target capped some forward variants' registers and spilled).
@@ -287,7 +227,7 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i0 + ii, j);
                     const Acc x = pipe.score(s[r][t], i0 + ii, j, rel);
-                    const Acc p = weight(x, sLse[ii]);
+                    const Acc p = backward_weight(x, sLse[ii]);
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], sDelta[ii], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
@@ -455,7 +395,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[r][t], i, j, rel);
-                    const Acc p = weight(x, row_lse[r]);
+                    const Acc p = backward_weight(x, row_lse[r]);
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
