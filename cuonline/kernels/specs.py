@@ -65,20 +65,25 @@ class AttentionSpec:
     split: bool = False
     dr: int = 0
 
-    def _check_features(self):
-        rows = _features.supported_by(self.family)
-        names = tuple(f.name for f in rows)
+    def _check_features(self, names=None, split=True):
+        """Check ``features`` (distinct names among ``names``, default the rows the family
+        supports; their requirements present; ``split`` only where allowed) and ``dr``, and
+        put the features in the table's order."""
+        if names is None:
+            names = tuple(f.name for f in _features.supported_by(self.family))
         if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
-                or any(n not in names for n in self.features)):
+                or any(n not in names for n in self.features) or (self.split and not split)):
             raise ValueError(f"features of {self.family} must be a tuple of distinct names "
-                             f"among {names}, got {self.features!r}")
+                             f"among {names}{'' if split else ' (no split)'}, got "
+                             f"{self.features!r}")
         for n in self.features:
             lacking = [r for r in _features.by_name(n).requires if r not in self.features]
             if lacking:
                 raise ValueError(f"features of {self.family}: {n} requires "
                                  f"{', '.join(lacking)}, got {self.features!r}")
         # one order for keys and equality: the table's
-        object.__setattr__(self, "features", tuple(n for n in names if n in self.features))
+        order = tuple(f.name for f in _features.FEATURES)
+        object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
         if (not isinstance(self.dr, int) or self.dr < 0
                 or (self.dr > 0) != ("rel_qk" in self.features) or self.dr > MAX_HEAD_DIM):
             raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
@@ -444,23 +449,7 @@ class AttentionBwdSimtSpec(AttentionSpec):
             value = getattr(self, name)
             if not 1 <= value <= MAX_HEAD_DIM:
                 raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
-        names = _features.BACKWARD_FEATURES
-        if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
-                or any(n not in names for n in self.features) or self.split):
-            raise ValueError(f"features of {self.family} must be a tuple of distinct names "
-                             f"among {names} (no split), got {self.features!r}")
-        for n in self.features:
-            lacking = [r for r in _features.by_name(n).requires if r not in self.features]
-            if lacking:
-                raise ValueError(f"features of {self.family}: {n} requires "
-                                 f"{', '.join(lacking)}, got {self.features!r}")
-        order = tuple(f.name for f in _features.FEATURES)
-        object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
-        if (not isinstance(self.dr, int) or self.dr < 0 or self.dr > MAX_HEAD_DIM
-                or (self.dr > 0) != ("rel_qk" in self.features)):
-            raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
-                             f"feature and 0 without it, got dr={self.dr!r} with features "
-                             f"{self.features!r}")
+        self._check_features(_features.BACKWARD_FEATURES, split=False)
 
     @property
     def block_r(self) -> int:
@@ -559,23 +548,7 @@ class AttentionBwdMmaSpec(AttentionSpec):
         if not 1 <= self.warps <= 8 or self.block_c % 16 or not 16 <= self.block_c <= 128:
             raise ValueError(f"bad tile shape of {self.family}: warps={self.warps}, "
                              f"block_c={self.block_c}")
-        names = _features.MMA_BACKWARD_FEATURES
-        if (not isinstance(self.features, tuple) or len(set(self.features)) != len(self.features)
-                or any(n not in names for n in self.features) or self.split):
-            raise ValueError(f"features of {self.family} must be a tuple of distinct names "
-                             f"among {names} (no split), got {self.features!r}")
-        for n in self.features:
-            lacking = [r for r in _features.by_name(n).requires if r not in self.features]
-            if lacking:
-                raise ValueError(f"features of {self.family}: {n} requires "
-                                 f"{', '.join(lacking)}, got {self.features!r}")
-        order = tuple(f.name for f in _features.FEATURES)
-        object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
-        if (not isinstance(self.dr, int) or self.dr < 0 or self.dr > MAX_HEAD_DIM
-                or (self.dr > 0) != ("rel_qk" in self.features)):
-            raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
-                             f"feature and 0 without it, got dr={self.dr!r} with features "
-                             f"{self.features!r}")
+        self._check_features(_features.MMA_BACKWARD_FEATURES, split=False)
 
     @property
     def acc(self) -> str:
