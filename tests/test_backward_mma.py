@@ -377,6 +377,28 @@ def test_a_nan_input_runs_on_the_simt_family_and_stays_in_its_rows():
     assert np.isfinite(got.dq[1]).all()
 
 
+@needs_emulation
+def test_a_nan_in_keys_shared_by_the_heads_is_found_and_stays_in_its_rows():
+    # k and v broadcast over the 2 heads (a zero stride): the finiteness check scans each of
+    # their elements once, finds the NaN of key 7, and the call stays on the SIMT family, so
+    # only the queries that see key 7 (causal: i >= 7) get a non-finite dq
+    dout, q, k, v, opts = case(9, np.float16, ("causal",), lq=40, lk=40)
+    k, v = k[:1], v[:1]
+    k[0, 7, 2] = np.nan
+    got = run("emulate", dout, q, k, v, opts)
+    assert got.dk.shape == k.shape
+    for head in range(2):
+        assert (~np.isfinite(got.dq[head]).all(axis=-1)).tolist() == [i >= 7 for i in range(40)]
+
+
+def test_the_finiteness_scan_reads_each_element_of_a_broadcast_view_once():
+    from cuonline.engines import cuda_backward
+    x = np.arange(6.0).reshape(2, 3)
+    view = np.broadcast_to(x[:, None], (2, 4, 3))        # 4 copies along a zero stride
+    assert cuda_backward._distinct(view).shape == (2, 1, 3)
+    assert cuda_backward._distinct(x).shape == (2, 3)
+
+
 # --------------------------------------------------------------------------------------------
 # races: 150 queries and 140 keys are three tiles of 64 each way, so each loop's barriers are
 # crossed several times; plain, then with the rel_q / rel_k staging (and dS, dC written)

@@ -130,6 +130,12 @@ def _run(p, dout, out, lse, target):
                    None if dc is None else full(dc))
 
 
+def _distinct(x):
+    """The elements of the broadcast view ``x`` once each: its zero-stride axes cut to length 1
+    (k and v shared by a group of query heads are scanned once, not once per head)."""
+    return x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.strides)]
+
+
 def _plan(p, dout, target, want_ds):
     """The launch plan: the tensor-core family where it runs the call
     (:func:`cuonline.kernels.families.backward_family`) and every q, k, v and dout element is
@@ -141,7 +147,7 @@ def _plan(p, dout, target, want_ds):
         return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
     xp = p.xp
     if family.spec is AttentionBwdMmaSpec and all(
-            bool(xp.isfinite(x).all()) for x in (p.q, p.k, p.v, dout)):
+            bool(xp.isfinite(_distinct(x)).all()) for x in (p.q, p.k, p.v, dout)):
         cp_async = (arguments.cp_async_aligned(p)
                     and arguments.view_cp_async_aligned(dout, p.batch_shape))
         try:
