@@ -29,7 +29,7 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import best_seconds, blas_ceiling, blas_description
+from bench_cpu import best_seconds, blas_ceiling, print_machine
 
 import cuonline
 
@@ -73,14 +73,8 @@ def main(argv=None):
         args.memory_length = 1024
 
     prepare = torch_backward()
-    from cuonline.engines.numpy import workers
-
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print(f"backward, B=1 H={args.heads}; {workers()} cores; numpy {np.__version__}; "
-          + (f"torch {__import__('torch').__version__}" if prepare else "torch not installed"))
-    print("BLAS: " + blas_description())
-    print("BLAS ceiling (2048^3 matmul, all cores): "
-          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    print_machine(f"backward, B=1 H={args.heads}", ceilings, prepare is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | cuonline | torch | torch backward"
               f"{' ' * 32} | cuonline/torch | cuonline/BLAS | torch/BLAS |")
     print(header)

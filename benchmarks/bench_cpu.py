@@ -68,6 +68,19 @@ def torch_sdpa():
     return run, path
 
 
+def print_machine(title, ceilings, with_torch):
+    """The first lines of a CPU benchmark's report: what ran (``title``), the cores, NumPy's and
+    torch's versions, the BLAS library and its measured ceiling per dtype (``ceilings``)."""
+    from cuonline.engines.numpy import workers
+
+    torch = (f"torch {__import__('torch').__version__}" if with_torch
+             else "torch not installed")
+    print(f"{title}; {workers()} cores; numpy {np.__version__}; {torch}")
+    print("BLAS: " + blas_description())
+    print("BLAS ceiling (2048^3 matmul, all cores): "
+          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+
+
 def best_seconds(fn, repeat):
     """Best wall time of ``repeat`` runs after one warm-up."""
     fn()
@@ -126,15 +139,9 @@ def main(argv=None):
         args.plot_lengths = [512, 1024, 2048, 4096, 8192, 16384]
 
     torch_run, torch_path = torch_sdpa()
-    from cuonline.engines.numpy import workers
-
     causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print(f"B=1 H={args.heads}; {workers()} cores; numpy {np.__version__}; "
-          + (f"torch {__import__('torch').__version__}" if torch_run else "torch not installed"))
-    print("BLAS: " + blas_description())
-    print("BLAS ceiling (2048^3 matmul, all cores): "
-          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    print_machine(f"B=1 H={args.heads}", ceilings, torch_run is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "
               f"| naive | cuonline/torch | cuonline/BLAS |")
     print(header)

@@ -14,6 +14,8 @@ Every distinct option set is one emulated compile (~20-40 s on 2 cores): the mat
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from mutants import barrier_mutant_sources, barrier_mutants
@@ -21,6 +23,7 @@ from support import (BFLOAT16, check_races, cuda_backend_params, make_case, need
                      problem_of)
 
 from cuonline.kernels import families, features, heuristics
+from cuonline.kernels.source import read_kernel_file
 from cuonline.kernels.specs import AttentionBwdSimtSpec
 
 BACKENDS = cuda_backend_params()
@@ -445,3 +448,16 @@ _MUTANT = next(n for n in sorted(barrier_mutants()) if n.startswith("attention_b
 def test_thread_sanitizer(name):
     sources = barrier_mutant_sources(name) if name else None
     check_races(_TSAN_SCRIPT.format(sources=sources), expect_race=name is not None)
+
+
+@pytest.mark.parametrize("family", [families.ATTENTION_BWD_SIMT, families.ATTENTION_BWD_MMA],
+                         ids=lambda f: f.name)
+def test_the_backward_families_use_no_atomics(family):
+    # README and docs/kernels.md say the gradients are deterministic because no kernel adds
+    # with atomics (whose order varies run to run): every file a backward family compiles
+    import re
+
+    from cuonline.kernels.source import read_kernel_file
+    for name in (*family.headers, family.source):
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", read_kernel_file(name), flags=re.S)
+        assert not re.search(r"\batomic\w*\s*\(|\bred\.\w*", code), name

@@ -389,11 +389,12 @@ class _ScoreTerms:
         self.rb, self.rk = p.rel_bias_radius, p.rel_k_radius
         self.acc = acc
 
-    def _band(self, r0, r1, js, je, radius):
-        """Table entries ``radius + clip(delta, -radius, radius)`` of the distances of rows
-        ``[r0, r1)`` of the task and keys ``[js, je)``: ``(r1 - r0) + (je - js) - 1`` of them."""
-        dmin = js - (self.first_diag + r1 - 1)
-        delta = np.arange(dmin, dmin + (r1 - r0) + (je - js) - 1, dtype=np.int64)
+    def _band(self, js, je, radius):
+        """Table entries ``radius + clip(delta, -radius, radius)`` of the distances of the
+        task's ``n`` rows and keys ``[js, je)``: ``n + (je - js) - 1`` of them, the smallest
+        distance first."""
+        dmin = js - (self.first_diag + self.n - 1)
+        delta = np.arange(dmin, dmin + self.n + (je - js) - 1, dtype=np.int64)
         return radius + np.clip(delta, -radius, radius)
 
     @staticmethod
@@ -416,7 +417,7 @@ class _ScoreTerms:
         w = je - js
         # the band of the whole block, read once: a slice of the table where no distance is
         # clamped (a table of 2 L - 1 rows), else gathered; a group's band is a slice of it
-        index = self._band(0, self.n, js, je, self.rk)
+        index = self._band(js, je, self.rk)
         if index[-1] - index[0] == index.size - 1:
             band = self.rel_k[index[0]:index[-1] + 1]
         else:
@@ -440,7 +441,7 @@ class _ScoreTerms:
             else:
                 s += np.take(self.bias, np.arange(js, je) // self.block[1], axis=1)
         if self.rel_bias is not None:
-            band = np.ascontiguousarray(self.rel_bias[self._band(0, self.n, js, je, self.rb)])
+            band = np.ascontiguousarray(self.rel_bias[self._band(js, je, self.rb)])
             s += self._skewed(band, self.n, -1, je - js)
 
 

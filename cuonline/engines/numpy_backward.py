@@ -336,7 +336,7 @@ def _bias_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
         terms = e.score_terms(p, i0, i1)
         # rel_bias[rb + clip(delta)] is added along each diagonal of the tile: sum dS along
         # the diagonals (band entry t = (j - js) - (i - i0) + n - 1), then by table entry
-        index = terms._band(0, terms.n, js, je, p.rel_bias_radius)
+        index = terms._band(js, je, p.rel_bias_radius)
         _scatter(buffers["rel_bias"], slots["rel_bias"], index, _diagonal_sums(ds))
 
 
@@ -347,7 +347,7 @@ def _relative_logit_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
     acc = p.acc_dtype
     n, w = ds.shape
     terms = e.score_terms(p, i0, i1)
-    index = terms._band(0, n, js, je, p.rel_k_radius)              # (nb,) table entries
+    index = terms._band(js, je, p.rel_k_radius)              # (nb,) table entries
     band = _blas_ready(p.rel_k[e.b][index], acc)                     # (nb, Dr)
     # the forward adds products[i, t] = rel_q[i] . band[t] at t = (j - js) - (i - i0) + n - 1:
     # the gradient of the (n, nb) products is dS skewed into that layout, zero elsewhere

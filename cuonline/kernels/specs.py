@@ -65,6 +65,16 @@ class AttentionSpec:
     split: bool = False
     dr: int = 0
 
+    def _check_simt_shape(self):
+        """The element/accumulation pair and the heads a SIMT family takes: any dtype, D and
+        Dv up to MAX_HEAD_DIM (the tensor-core specs have per-dtype limits of their own)."""
+        if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
+            raise ValueError(f"unsupported dtype/acc pair {self.dtype}/{self.acc}")
+        for name in ("d", "dv"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
+
     def _check_features(self, names=None, split=True):
         """Check ``features`` (distinct names among ``names``, default the rows the family
         supports; their requirements present; ``split`` only where allowed) and ``dr``, and
@@ -171,12 +181,7 @@ class AttentionSimtSpec(AttentionSpec):
     family = "attention_fwd_simt"
 
     def __post_init__(self):
-        if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
-            raise ValueError(f"unsupported dtype/acc pair {self.dtype}/{self.acc}")
-        for name in ("d", "dv"):
-            value = getattr(self, name)
-            if not 1 <= value <= MAX_HEAD_DIM:
-                raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
+        self._check_simt_shape()
         self._check_features()
 
     @property
@@ -443,12 +448,7 @@ class AttentionBwdSimtSpec(AttentionSpec):
     family = "attention_bwd_simt"
 
     def __post_init__(self):
-        if self.dtype not in _TAGS or self.acc not in ("float32", "float64"):
-            raise ValueError(f"unsupported dtype/acc pair {self.dtype}/{self.acc}")
-        for name in ("d", "dv"):
-            value = getattr(self, name)
-            if not 1 <= value <= MAX_HEAD_DIM:
-                raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {value}")
+        self._check_simt_shape()
         self._check_features(_features.BACKWARD_FEATURES, split=False)
 
     @property
