@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _validate
+from . import _options, _validate
 from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
 from .engines import merge as _merge
 from .engines import softmax as _softmax
@@ -156,8 +156,9 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     :math:`p_{ij} = e^{s_{ij}} / \sum_{j'} e^{s_{ij'}}`. Keys are visited in tiles; each
     query keeps :math:`m` (the running max), :math:`l = \sum e^{s - m}` and the unnormalised
     :math:`O = \sum e^{s - m} v`, and on each tile with new max :math:`m'` rescales
-    :math:`l` and :math:`O` by :math:`e^{m - m'}` [1]_ [2]_. Scores are exponentiated in
-    base 2 with :math:`\log_2 e` folded into the scale. Accumulation is in float64 for
+    :math:`l` and :math:`O` by :math:`e^{m - m'}` [1]_ [2]_. Scores and the running max stay
+    in natural units; only :math:`s - m \le 0` is multiplied by :math:`\log_2 e` before a
+    base-2 exponential, so no finite score overflows. Accumulation is in float64 for
     float64 inputs and in float32 otherwise. A query that sees no key gets output 0 and
     ``lse = -inf``, without a warning.
 
@@ -190,18 +191,23 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
         return _dask.attention(attention, **locals())
-    problem = _validate.validate_attention(
-        q, k, v, scale=scale, causal=causal, window=window, bias=bias, mask=mask,
-        kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
-        softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset,
-        bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
-        return_lse=return_lse, precision=precision, backend=backend, workers=workers,
-    )
+    options = _options.from_call(locals())
+    problem = _validate.validate_attention(q, k, v, options, return_lse=return_lse)
     engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
     out, lse = engine.attention(problem)
     return (out, lse) if return_lse else out
 
 
+def _documents_options(function):
+    """Write the option names of the table into ``function``'s docstring, where its Parameters
+    section says ``OPTIONS`` (numpydoc wants the names of a shared entry on one line)."""
+    if function.__doc__:           # None under python -OO
+        function.__doc__ = function.__doc__.replace("    OPTIONS\n",
+                                                    f"    {', '.join(_options.names())}\n")
+    return function
+
+
+@_documents_options
 def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
                        bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
                        softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
@@ -225,13 +231,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     lse : array, shape S + (Lq,)
         The log-sum-exp the forward call returned with ``return_lse=True`` (float64 for float64
         inputs, float32 otherwise).
-    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, \
-q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, precision, backend, workers
+    OPTIONS
         The options of the forward call, as :func:`attention` takes them (pass the same).
         `mask`, `kv_lengths`, the positions, `alibi_slopes` and `softcap` are constants: they
-        receive no gradient. ``"cupy"`` and ``"emulate"`` run ``cuonline.engines.cuda_backward``
-        where that engine is installed, else this function's NumPy engine on host copies of the
-        arrays (the gradients come back in the inputs' library).
+        receive no gradient. The engine follows the arrays, as in :func:`attention`: the
+        NumPy engine for NumPy arrays, cuonline's CUDA kernels for CuPy arrays (and for
+        ``backend="emulate"``).
 
     Returns
     -------
@@ -304,17 +309,13 @@ q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, precision, backend, work
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
         return _dask.attention_backward(attention_backward, **locals())
-    bp = _validate.validate_attention_backward(
-        dout, q, k, v, out, lse, scale=scale, causal=causal, window=window, bias=bias,
-        mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
-        softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset, bias_block=bias_block,
-        rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k, precision=precision, backend=backend,
-        workers=workers,
-    )
+    options = _options.from_call(locals())
+    bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, options)
     engine = importlib.import_module(f"cuonline.engines.{_BACKWARD_ENGINES[bp.forward.backend]}")
     return engine.attention_backward(bp)
 
 
+@_documents_options
 def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
                   kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
                   q_offset=None, k_offset=0, bias_block=None, rel_bias=None, rel_q=None,
@@ -323,9 +324,9 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, bias=None, 
 
     Parameters
     ----------
-    q, k, v, scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, \
-softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, precision, backend, \
-workers
+    q, k, v
+        As :func:`attention`.
+    OPTIONS
         As :func:`attention`.
 
     Returns
@@ -354,11 +355,7 @@ workers
     >>> attribution.shape
     (40,)
     """
-    options = dict(scale=scale, causal=causal, window=window, bias=bias, mask=mask,
-                   kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, softcap=softcap,
-                   softcap_bias=softcap_bias, q_offset=q_offset, k_offset=k_offset,
-                   bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
-                   precision=precision, backend=backend, workers=workers)
+    options = _options.from_call(locals()).asdict()
     out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout):

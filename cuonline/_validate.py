@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _semantics
+from ._options import Options, array_layout, differentiable_options, names
 from .kernels import heuristics as _heuristics
 from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
@@ -429,19 +430,31 @@ def _check_relative(xp, rel_bias, rel_q, rel_k, batch, lq, acc):
 # attention
 
 
-def validate_attention(
-    q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
-    alibi_slopes=None, softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
-    bias_block=None, rel_bias=None, rel_q=None, rel_k=None,
-    return_lse=False, backend="auto", precision="highest", workers=None,
-) -> Problem:
-    """Check the arguments of :func:`cuonline.attention` (same keywords, same defaults) and
-    build its :class:`Problem`."""
-    xp = array_namespace(
-        q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
-        rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
-    )
-    backend = _check_backend(backend, xp)
+def _options_of(options: Options | None, keywords: dict[str, Any]) -> Options:
+    """The call's :class:`Options`: as given, or built from its keywords (an unknown keyword is
+    a TypeError naming it)."""
+    if options is None:
+        unknown = sorted(set(keywords) - set(names()))
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}; the options are "
+                            f"{', '.join(names())}")
+        return Options(**keywords)
+    if keywords:
+        raise TypeError(f"pass the options as one Options or as keywords, not both (got "
+                        f"Options and {', '.join(sorted(keywords))})")
+    return options
+
+
+def validate_attention(q, k, v, options: Options | None = None, *, return_lse: bool = False,
+                       **keywords: Any) -> Problem:
+    """Check the arguments of :func:`cuonline.attention` and build its :class:`Problem`.
+
+    The options come as one :class:`cuonline._options.Options` (the public functions) or as
+    its keywords (tools and tests: ``validate_attention(q, k, v, causal=True)``), not both.
+    """
+    o = _options_of(options, keywords)
+    xp = array_namespace(q=q, k=k, v=v, **o.arrays())
+    backend = _check_backend(o.backend, xp)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -467,9 +480,7 @@ def validate_attention(
             f"`v` must have as many rows as `k` (Lk = {lk}), got v.shape = {tuple(v.shape)}"
         )
     if xp is not np:
-        _check_same_device(q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths,
-                           alibi_slopes=alibi_slopes, rel_bias=rel_bias, rel_q=rel_q,
-                           rel_k=rel_k)
+        _check_same_device(q=q, k=k, v=v, **o.arrays())
     try:
         batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     except ValueError:
@@ -482,29 +493,31 @@ def validate_attention(
         _check_cuda_limits(backend, batch, lq, lk, d, dv)
     dtype = dtype_q
     acc = _semantics.accumulation_dtype(dtype)
-    scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _check_real(scale, "scale")
-    softcap = None if softcap is None else _check_real(softcap, "softcap", positive=True)
-    softcap_bias = _check_bool(softcap_bias, "softcap_bias")
+    scale = 1.0 / math.sqrt(max(d, 1)) if o.scale is None else _check_real(o.scale, "scale")
+    softcap = None if o.softcap is None else _check_real(o.softcap, "softcap", positive=True)
+    softcap_bias = _check_bool(o.softcap_bias, "softcap_bias")
     if softcap_bias and softcap is None:
         raise ValueError("`softcap_bias=True` caps the whole logit with `softcap`, but "
                          "`softcap` is None; pass softcap=c or leave softcap_bias=False")
     diagonal = _semantics.diagonal_offset(
-        lq, lk, _check_offset(q_offset, "q_offset", optional=True),
-        _check_offset(k_offset, "k_offset"))
+        lq, lk, _check_offset(o.q_offset, "q_offset", optional=True),
+        _check_offset(o.k_offset, "k_offset"))
+    precision = o.precision
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(
             f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}"
         )
     if precision == "tf32" and dtype != np.float32:
         raise ValueError(f"precision='tf32' applies to float32 inputs, got {dtype.name}")
-    causal = _check_bool(causal, "causal")
-    workers = _check_workers(workers)
+    causal = _check_bool(o.causal, "causal")
+    workers = _check_workers(o.workers)
     return_lse = _check_bool(return_lse, "return_lse")
-    window = _semantics.effective_window(causal, _check_window(window, lq, lk, diagonal))
+    window = _semantics.effective_window(causal, _check_window(o.window, lq, lk, diagonal))
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
-    bias_block = _check_bias_block(bias_block)
+    bias_block = _check_bias_block(o.bias_block)
+    bias, mask, kv_lengths, alibi_slopes = o.bias, o.mask, o.kv_lengths, o.alibi_slopes
     bias_shape, bias_name = scores_shape, scores_name
     if bias_block is not None:
         if bias is None:
@@ -546,7 +559,7 @@ def validate_attention(
             )
         alibi_slopes = _broadcast_to(xp, alibi_slopes, batch, "alibi_slopes", "the batch shape S")
         alibi_slopes = alibi_slopes.astype(acc, order="C")
-    rel_bias, rel_q, rel_k = _check_relative(xp, rel_bias, rel_q, rel_k, batch, lq, acc)
+    rel_bias, rel_q, rel_k = _check_relative(xp, o.rel_bias, o.rel_q, o.rel_k, batch, lq, acc)
     if backend in _CUDA_BACKENDS:
         _check_cuda_relative(backend, rel_bias, rel_k)
     # with nothing added to the content score, capping it or the whole logit is one thing:
@@ -768,23 +781,23 @@ class BackwardProblem:
         return sum_to_shape(self.forward.xp, grad, t.shape, t.tail).astype(t.dtype, copy=False)
 
 
-def validate_attention_backward(dout, q, k, v, out, lse, **options) -> BackwardProblem:
+def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None = None,
+                                **keywords: Any) -> BackwardProblem:
     """Check the arguments of :func:`cuonline.attention_backward` and build its
     :class:`BackwardProblem`.
 
-    ``options`` are the keywords of :func:`validate_attention` but ``return_lse``; they are
-    checked there, by the forward's own rules. ``out`` and ``lse`` must be what ``attention(q,
-    k, v, **options, return_lse=True)`` returned: shapes ``S + (Lq, Dv)`` and ``S + (Lq,)``,
-    dtypes that of `q` and its accumulation dtype (float64 for float64 inputs, else
-    float32). ``dout`` has the dtype of `q` and broadcasts to ``S + (Lq, Dv)``.
+    The options (an :class:`cuonline._options.Options` or its keywords, as
+    :func:`validate_attention` takes them) are checked by the forward's own rules. ``out`` and
+    ``lse`` must be what ``attention(q, k, v, **options, return_lse=True)`` returned: shapes
+    ``S + (Lq, Dv)`` and ``S + (Lq,)``, dtypes that of `q` and its accumulation dtype (float64
+    for float64 inputs, else float32). ``dout`` has the dtype of `q` and broadcasts to
+    ``S + (Lq, Dv)``.
     """
     from ._gradients import Target
 
-    if "return_lse" in options:
-        raise TypeError("`return_lse` is not an option of attention_backward: it always reads "
-                        "the `lse` it is given")
+    o = _options_of(options, keywords)
     xp = array_namespace(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    p = validate_attention(q, k, v, return_lse=True, **options)
+    p = validate_attention(q, k, v, o, return_lse=True)
     dout, out, lse = (_as_array(xp, x, n) for x, n in ((dout, "dout"), (out, "out"),
                                                         (lse, "lse")))
     if xp is not np:
@@ -806,15 +819,15 @@ def validate_attention_backward(dout, q, k, v, out, lse, **options) -> BackwardP
     if _native_dtype(lse.dtype) != p.acc_dtype:
         raise TypeError(f"`lse` must have the dtype attention returns for {p.dtype.name} "
                         f"inputs, {p.acc_dtype.name}, got {_native_dtype(lse.dtype).name}")
-    passed = dict(q=q, k=k, v=v, bias=options.get("bias"), rel_bias=options.get("rel_bias"),
-                  rel_q=options.get("rel_q"), rel_k=options.get("rel_k"))
-    tails = dict(q=2, k=2, v=2, bias=2, rel_bias=1, rel_q=2, rel_k=2)
-    targets = {}
-    for name, x in passed.items():
-        if x is None:
-            continue
-        x = xp.asarray(x)          # already accepted by validate_attention
-        dtype = p.dtype if name in ("q", "k", "v") else _native_dtype(x.dtype)
-        targets[name] = Target(shape=tuple(x.shape), dtype=dtype, tail=tails[name])
+    # every input that receives a gradient: its shape as passed says how to sum over the
+    # dimensions it was broadcast along (tail: its own trailing dimensions)
+    targets = {name: Target(shape=tuple(xp.asarray(x).shape), dtype=p.dtype, tail=2)
+               for name, x in (("q", q), ("k", k), ("v", v))}
+    for name in differentiable_options():
+        x = getattr(o, name)
+        if x is not None:
+            x = xp.asarray(x)          # already accepted by validate_attention
+            targets[name] = Target(shape=tuple(x.shape), dtype=_native_dtype(x.dtype),
+                                   tail=len(array_layout(name)))
     return BackwardProblem(forward=p, dout=_native(xp, dout), out=_native(xp, out),
                            lse=_native(xp, lse), targets=targets)
