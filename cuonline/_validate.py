@@ -144,6 +144,8 @@ def array_namespace(**named) -> Any:
 
 
 def _as_array(xp, x, name):
+    if x is None:
+        raise TypeError(f"`{name}` must be an array, got None")
     try:
         return xp.asarray(x)
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
@@ -798,6 +800,9 @@ def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None
     o = _options_of(options, keywords)
     xp = array_namespace(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     p = validate_attention(q, k, v, o, return_lse=True)
+    if isinstance(dout, numbers.Real) and not isinstance(dout, (bool, np.bool_, np.generic)):
+        # a Python number takes the inputs' dtype, as Python numbers do in every other option
+        dout = xp.asarray(dout, dtype=p.dtype)
     dout, out, lse = (_as_array(xp, x, n) for x, n in ((dout, "dout"), (out, "out"),
                                                         (lse, "lse")))
     if xp is not np:

@@ -20,6 +20,7 @@ def arrays(lq=4, lk=5, d=3, dv=2, batch=(2,), dtype=F):
 
 
 q, k, v = arrays()
+forward = cuonline.attention(q, k, v, return_lse=True)
 
 CASES = [
     # (description, call, exception, regex matched against the message)
@@ -119,6 +120,15 @@ CASES = [
      r"`states\[0\]\[0\]` is a numpy.ma masked array"),
     ("kv_lengths huge negative", lambda: cuonline.attention(q, k, v, kv_lengths=[2**70, -2**70]),
      ValueError, r"`kv_lengths` must be >= 0, got minimum -1180591620717411303424"),
+    ("dout None", lambda: cuonline.attention_backward(None, q, k, v, *forward), TypeError,
+     r"`dout` must be an array, got None"),
+    ("lse None", lambda: cuonline.attention_backward(forward[0], q, k, v, forward[0], None),
+     TypeError, r"`lse` must be an array, got None"),
+    ("dout float64 scalar", lambda: cuonline.attention_backward(np.float64(1), q, k, v,
+                                                                *forward), TypeError,
+     r"`dout` must have the dtype of `q` \(float32\), got float64"),
+    ("dout shape", lambda: cuonline.attention_backward(np.ones(3, F), q, k, v, *forward),
+     ValueError, r"`dout` of shape \(3,\) does not broadcast to S \+ \(Lq, Dv\) = \(2, 4, 2\)"),
 ]
 
 
@@ -187,3 +197,15 @@ def test_numpy_beside_a_cupy_like_array_names_both(monkeypatch):
     FakeCupyArray = type("ndarray", (), {"__module__": "cupy._core.core"})
     with pytest.raises(TypeError, match=r"`bias` is a cupy array and `q` is a numpy array"):
         cuonline.attention(q, k, v, bias=FakeCupyArray())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dout_as_a_python_number_takes_the_dtype_of_q(dtype):
+    """A Python number is converted to q's dtype, as Python numbers are in every option."""
+    qkv = arrays(dtype=dtype)
+    out, lse = cuonline.attention(*qkv, return_lse=True)
+    g = cuonline.attention_backward(1.0, *qkv, out, lse)
+    expected = cuonline.attention_backward(np.ones_like(out), *qkv, out, lse)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(g, field), getattr(expected, field))
+        assert getattr(g, field).dtype == dtype
