@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any, Callable, TypeVar
 
 from . import _options, _validate
+from ._gradients import Gradients
 from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
 from .engines import merge as _merge
 from .engines import softmax as _softmax
@@ -17,15 +19,25 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "softmax
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
+#: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
+Array = Any
+F = TypeVar("F", bound=Callable[..., Any])
+
 #: backends that run the softmax family on cuonline's CUDA kernels (cuonline.engines.cuda_softmax)
 _CUDA_BACKENDS = ("cupy", "emulate")
 
 
-def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
-              kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
-              q_offset=None, k_offset=0, bias_block=None, rel_bias=None, rel_q=None,
-              rel_k=None, return_lse=False, precision="highest", backend="auto",
-              workers=None):
+def attention(
+    q: Array, k: Array, v: Array, *, scale: float | None = None, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
+    mask: Array | None = None, kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None, softcap: float | None = None, softcap_bias: bool = False,
+    q_offset: int | None = None, k_offset: int = 0,
+    bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
+    rel_q: Array | None = None, rel_k: Array | None = None,
+    return_lse: bool = False, precision: str = "highest",
+    backend: str = "auto", workers: int | None = None,
+) -> Array | tuple[Array, Array]:
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -198,7 +210,7 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask
     return (out, lse) if return_lse else out
 
 
-def _documents_options(function):
+def _documents_options(function: F) -> F:
     """Write the option names of the table into ``function``'s docstring, where its Parameters
     section says ``OPTIONS`` (numpydoc wants the names of a shared entry on one line)."""
     if function.__doc__:           # None under python -OO
@@ -208,11 +220,17 @@ def _documents_options(function):
 
 
 @_documents_options
-def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
-                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
-                       softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
-                       rel_bias=None, rel_q=None, rel_k=None, precision="highest",
-                       backend="auto", workers=None):
+def attention_backward(
+    dout: Array | float, q: Array, k: Array, v: Array, out: Array, lse: Array, *, scale: float | None = None, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
+    mask: Array | None = None, kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None, softcap: float | None = None, softcap_bias: bool = False,
+    q_offset: int | None = None, k_offset: int = 0,
+    bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
+    rel_q: Array | None = None, rel_k: Array | None = None,
+    precision: str = "highest",
+    backend: str = "auto", workers: int | None = None,
+) -> Gradients:
     r"""Gradients of :func:`attention` for an output gradient `dout`: the backward pass.
 
     Given ``out, lse = attention(q, k, v, **options, return_lse=True)`` and the gradient
@@ -316,10 +334,17 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
 
 
 @_documents_options
-def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, bias=None, mask=None,
-                  kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
-                  q_offset=None, k_offset=0, bias_block=None, rel_bias=None, rel_q=None,
-                  rel_k=None, precision="highest", backend="auto", workers=None):
+def attention_vjp(
+    q: Array, k: Array, v: Array, *, scale: float | None = None, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
+    mask: Array | None = None, kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None, softcap: float | None = None, softcap_bias: bool = False,
+    q_offset: int | None = None, k_offset: int = 0,
+    bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
+    rel_q: Array | None = None, rel_k: Array | None = None,
+    precision: str = "highest",
+    backend: str = "auto", workers: int | None = None,
+) -> tuple[Array, Callable[[Array | float], Gradients]]:
     r""":func:`attention` and its vector-Jacobian product: ``out, vjp = attention_vjp(...)``.
 
     Parameters
@@ -358,14 +383,14 @@ def attention_vjp(q, k, v, *, scale=None, causal=False, window=None, bias=None, 
     options = _options.from_call(locals()).asdict()
     out, lse = attention(q, k, v, return_lse=True, **options)
 
-    def vjp(dout):
+    def vjp(dout: Array | float) -> Gradients:
         """:class:`cuonline.Gradients` of the forward call for the output gradient `dout`."""
         return attention_backward(dout, q, k, v, out, lse, **options)
 
     return out, vjp
 
 
-def merge(*states):
+def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:
     r"""Combine attention results computed on disjoint sets of keys.
 
     Parameters
@@ -421,7 +446,8 @@ def merge(*states):
     return _merge.merge_states(xp, outs, lses)
 
 
-def softmax(x, axis=-1, *, mask=None, backend="auto"):
+def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
+            backend: str = "auto") -> Array:
     r"""Softmax along `axis`, stable for any finite magnitude.
 
     Parameters
@@ -469,7 +495,8 @@ def softmax(x, axis=-1, *, mask=None, backend="auto"):
     return _softmax.softmax(p.xp, p.x, p.axis, p.mask)
 
 
-def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
+def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
+                backend: str = "auto") -> Array:
     r"""Logarithm of :func:`softmax` along `axis`, computed without forming the softmax.
 
     Parameters and return value as :func:`softmax`; a slice with no visible entry gives
@@ -487,7 +514,8 @@ def log_softmax(x, axis=-1, *, mask=None, backend="auto"):
     return _softmax.log_softmax(p.xp, p.x, p.axis, p.mask)
 
 
-def logsumexp(x, axis=-1, *, mask=None, keepdims=False, backend="auto"):
+def logsumexp(x: Array, axis: int = -1, *, mask: Array | None = None, keepdims: bool = False,
+              backend: str = "auto") -> Array:
     r"""``log(sum(exp(x)))`` along `axis`, stable for any finite magnitude.
 
     Parameters

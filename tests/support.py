@@ -195,12 +195,6 @@ def run_under_tsan(code: str) -> tuple[subprocess.CompletedProcess, bool]:
 OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
                 "softcap", "softcap_bias", "offsets", "return_lse")
 
-#: Every option of validate_attention at its "off" value.
-ATTENTION_DEFAULTS = dict(scale=None, causal=False, window=None, bias=None, mask=None,
-                          kv_lengths=None, alibi_slopes=None, softcap=None, softcap_bias=False,
-                          q_offset=None, k_offset=0, return_lse=False)
-
-
 def make_case(seed, *, batch=(2,), lq=17, lk=33, d=16, dv=24, dtype=np.float32, kv_batch=None,
               options=()):
     """Inputs for one case: ``(q, k, v, options_dict)``; options named in ``options`` are set.
@@ -258,9 +252,7 @@ def problem_of(backend, q, k, v, precision="highest", **options):
     xp = np
     if backend == "cupy":
         import cupy as xp  # noqa: PLC0415
-    kwargs = dict(ATTENTION_DEFAULTS)
-    kwargs.update({n: (xp.asarray(x) if isinstance(x, np.ndarray) else x)
-                   for n, x in options.items()})
+    kwargs = {n: (xp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in options.items()}
     from cuonline._validate import validate_attention
     return validate_attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), backend=backend,
                               precision=precision, **kwargs)
