@@ -54,5 +54,24 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert 'pip install ".[test]" && python -m pytest' in readme
     assert "pip install . && python -m cuonline demo" in readme
     assert "python -m pytest" in ci and ".[test" in ci
-    assert "python -m sphinx -W -b html docs docs/_build/html" in ci
-    assert 'pip install ".[docs]"' in readme or '".[docs]"' in ci
+    # what CI installs is what the README says it installs
+    assert '".[test,cuda13]"' in readme and '".[test,cuda13]"' in ci
+    assert "nvidia-cuda-nvrtc-cu12" in readme and "nvidia-cuda-nvrtc-cu12" in ci
+    assert 'pip install ".[docs]" && python -m sphinx -W -b html docs docs/_build/html' in readme
+    assert '".[docs]"' in ci and "python -m sphinx -W -q -b html docs docs/_build/html" in ci
+
+
+def test_readme_layout_names_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1]
+    docs_line = layout.split("\ndocs/", 1)[1]
+    for page in (ROOT / "docs").glob("*.md"):
+        assert page.stem in docs_line, f"README's layout leaves out docs/{page.name}"
+
+
+def test_install_commands_work_from_a_clone():
+    # no wheel is published: "cuonline[extra]" fails, ".[extra]" installs from the clone
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name == "scale.md":     # owned elsewhere; its fix is reported
+            continue
+        assert "cuonline[" not in path.read_text(), path
