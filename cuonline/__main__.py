@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import platform
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -69,19 +71,18 @@ def run_demo(args) -> int:
     embed = np.tanh(window @ rng.standard_normal((window.shape[1], 128), dtype=np.float32) / 6)
     proj = rng.standard_normal((3, heads, 128, d), dtype=np.float32) / 128**0.5
     q, k, v = (np.einsum("lc,hcd->hld", embed, w) for w in proj)
-    # relative-position bias b(i - j), decaying with distance: an (L, L) Toeplitz *view* of
-    # one vector of length 2L - 1 (negative stride, no copy)
-    offsets = np.arange(-(length - 1), length, dtype=np.float32)
-    table = -np.log1p(np.abs(offsets)) / 2
-    bias = np.lib.stride_tricks.sliding_window_view(table, length)[:, ::-1]
+    # relative-position bias b(j - i), decaying with distance: rel_bias, one entry per
+    # distance -(L - 1) .. L - 1, read by the engines per score (no L x L array)
+    distances = np.arange(-(length - 1), length, dtype=np.float32)
+    rel_bias = -np.log1p(np.abs(distances)) / 2
 
-    q_x, k_x, v_x, bias_x = (xp.asarray(a) for a in (q, k, v, bias))
+    q_x, k_x, v_x, rel_bias_x = (xp.asarray(a) for a in (q, k, v, rel_bias))
     # warm-up: the first call compiles (the CUDA variant of this shape, or the NumPy engine's
     # tile kernel, for which a small slice is enough), a one-time cost the timing leaves out
     w = length if xp is not np else min(length, 64)
-    cuonline.attention(q_x[:, :w], k_x[:, :w], v_x[:, :w], causal=True, bias=bias_x[:w, :w])
+    cuonline.attention(q_x[:, :w], k_x[:, :w], v_x[:, :w], causal=True, rel_bias=rel_bias_x)
     start = time.perf_counter()
-    out = cuonline.attention(q_x, k_x, v_x, causal=True, bias=bias_x)
+    out = cuonline.attention(q_x, k_x, v_x, causal=True, rel_bias=rel_bias_x)
     _synchronize(xp)
     seconds = time.perf_counter() - start
     out = out.get() if hasattr(out, "get") else out
@@ -90,14 +91,14 @@ def run_demo(args) -> int:
     # check a random sample of rows (always the first and the last) against one instead
     rows = _sample_rows(length, rng)
     error = max(np.abs(out[h][rows].astype(np.float64)
-                       - _reference_rows(q[h], k[h], v[h], bias, rows)).max()
+                       - _reference_rows(q[h], k[h], v[h], rel_bias, rows)).max()
                 for h in range(heads))
     flops = 4 * heads * length * length * d / 2
     print(f"engine      : {engine}")
     print(f"input       : {length} bases of random DNA, one-hot -> {heads} heads x D={d}")
-    print(f"shapes      : q, k, v {q.shape} float32; bias {bias.shape} (Toeplitz view, "
-          f"strides {bias.strides})")
-    print("options     : causal=True, relative-position bias")
+    print(f"shapes      : q, k, v {q.shape} float32; rel_bias {rel_bias.shape} "
+          "(one entry per distance)")
+    print("options     : causal=True, rel_bias (relative-position bias)")
     print(f"output      : {out.shape} {out.dtype}")
     print(f"time        : {seconds * 1e3:.1f} ms ({flops / seconds / 1e9:.1f} GFLOP/s)")
     checked = "every row" if len(rows) == length else f"{len(rows)} sampled rows"
@@ -118,10 +119,11 @@ def _sample_rows(length, rng):
     return np.sort(np.concatenate(([0, length - 1], inner)))
 
 
-def _reference_rows(q, k, v, bias, rows):
-    """Float64 causal attention of one head (Lq = Lk) for the query ``rows`` only."""
+def _reference_rows(q, k, v, rel_bias, rows):
+    """Float64 causal attention of one head (Lq = Lk) for the query ``rows`` only, with the
+    bias of score ``(i, j)`` read densely from ``rel_bias`` at distance ``j - i``."""
     s = q[rows].astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[-1])
-    s += bias[rows]
+    s += rel_bias[(k.shape[0] - 1) + np.arange(k.shape[0])[None, :] - rows[:, None]]
     s[np.arange(k.shape[0])[None, :] > rows[:, None]] = -np.inf      # causal: key j <= row
     p = np.exp(s - s.max(axis=1, keepdims=True))
     return (p / p.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
@@ -184,24 +186,77 @@ def run_info(args) -> int:
         "numpy": np.__version__,
         "scipy": scipy.__version__,
     }
-    try:
-        import cupy
-
-        lines["cupy"] = cupy.__version__
-    except ImportError:
-        lines["cupy"] = "not installed"
+    # what decides the NumPy engine's speed: the compiled softmax kernels, and BLAS
+    lines["numba"] = _numba_status()
+    lines.update(_blas_lines())
+    # the optional libraries, each of the extra that brings it
+    for name in ("cupy", "dask", "distributed", "zarr", "ml_dtypes"):
+        lines[name] = _version_of(name)
     from .engines.numpy import workers
 
     engines = [f"numpy ({workers()} threads)"]
     gpu, reason = _gpu_or_reason()
     engines.append(f"cupy ({gpu})" if gpu else f"cupy: unavailable ({reason})")
     engines.append("emulate: " + (_emulation_status() or "available"))
+    width = max(map(len, lines))
     for name, value in lines.items():
-        print(f"{name:9s}: {value}")
-    print("engines  :")
+        print(f"{name:{width}s}: {value}")
+    print(f"{'engines':{width}s}:")
     for engine in engines:
         print(f"  {engine}")
     return 0
+
+
+def _version_of(module):
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def _numba_status():
+    """numba's version and whether the NumPy engine runs its compiled kernels: it compiles
+    them on first use and, where it cannot, warns and runs its ufunc passes (slower)."""
+    try:
+        import numba
+    except ImportError:
+        return "not installed: the NumPy engine runs its ufunc passes (slower)"
+    if numba.config.DISABLE_JIT:
+        return (f"{numba.__version__}, off (NUMBA_DISABLE_JIT=1): the NumPy engine's kernels "
+                "run as Python (much slower)")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cuonline.softmax(np.zeros((2, 3), np.float32))      # compiles the kernel, or warns
+    if any(issubclass(w.category, RuntimeWarning) and "compiled kernel" in str(w.message)
+           for w in caught):
+        return (f"{numba.__version__}, off (its kernels do not compile here): the NumPy "
+                "engine runs its ufunc passes (slower)")
+    return f"{numba.__version__}, on (the NumPy engine's softmax work runs compiled)"
+
+
+def _blas_lines():
+    """One line per BLAS library loaded (threadpoolctl): implementation, version, kernel set
+    (the CPU architecture it chose) and threads."""
+    from threadpoolctl import threadpool_info
+
+    libraries = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    if not libraries:
+        return {"blas": "none found by threadpoolctl"}
+    lines = {}
+    for n, lib in enumerate(libraries):
+        kernels = lib.get("architecture") or "unknown"
+        lines["blas" if n == 0 else f"blas {n + 1}"] = (
+            f"{lib.get('internal_api')} {lib.get('version')} ({kernels} kernels, "
+            f"{lib.get('num_threads')} threads; {_short_path(lib.get('filepath'))})")
+    return lines
+
+
+def _short_path(path):
+    """The file and its folder: which package's copy of a library it is (numpy.libs/...)."""
+    if not path:
+        return "unknown file"
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:])
 
 
 def _emulation_status():

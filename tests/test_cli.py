@@ -69,6 +69,45 @@ def test_short_demo_checks_every_row():
     proc = cli("demo", "--length", "100", "--heads", "1")
     assert proc.returncode == 0, proc.stderr
     assert "(every row of each head)" in proc.stdout
+    # the relative bias the library's own way: a table of 2L - 1 distances, not an L x L view
+    assert "rel_bias (199,)" in proc.stdout
+
+
+def _info_lines(**env):
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "cuonline", "info"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=dict(os.environ, **env))
+    assert proc.returncode == 0, proc.stderr
+    return {name.strip(): value.strip() for name, _, value in
+            (line.partition(":") for line in proc.stdout.splitlines() if ":" in line)}
+
+
+def test_info_says_what_decides_cpu_speed():
+    import importlib.util
+
+    import numba
+    from threadpoolctl import threadpool_info
+
+    lines = _info_lines()
+    assert lines["numba"].startswith(f"{numba.__version__}, on"), lines["numba"]
+    # every BLAS library loaded: implementation, version, kernel set, threads
+    blas = [value for name, value in lines.items() if name.split()[0] == "blas"]
+    assert blas, lines
+    # a library info loads may not be loaded here yet: compare against this process's own
+    for lib in threadpool_info():
+        if lib["user_api"] == "blas" and lib.get("architecture"):
+            assert any(v.startswith(f"{lib['internal_api']} {lib['version']} "
+                                    f"({lib['architecture']} kernels, ") for v in blas), blas
+    for module in ("dask", "distributed", "zarr", "ml_dtypes"):
+        if importlib.util.find_spec(module) is None:
+            assert lines[module] == "not installed"
+        else:
+            assert lines[module] == importlib.import_module(module).__version__
+
+
+def test_info_says_when_numba_is_off():
+    assert "off (NUMBA_DISABLE_JIT=1)" in _info_lines(NUMBA_DISABLE_JIT="1")["numba"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,19 +1,51 @@
-"""The docs stay true: api.md matches the docstrings. (The examples in README.md, docs/*.md
-and the docstrings run as doctests: see addopts in pyproject.toml.)"""
+"""The docs stay true: the API reference names every public function, help() renders the
+docstrings, and README.md and .ci/run agree. (The examples in README.md, docs/*.md and the
+docstrings run as doctests: see addopts in pyproject.toml. The reference is built by Sphinx
+with warnings as errors in .ci/run: ``python -m sphinx -W -b html docs docs/_build/html``.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import inspect
+import re
 from pathlib import Path
 
+import pytest
+
+import cuonline
+
 ROOT = Path(__file__).resolve().parents[1]
+PUBLIC = [name for name in cuonline.__all__ if not name.startswith("_")]
 
 
-def test_api_reference_is_generated_from_current_docstrings():
-    result = subprocess.run([sys.executable, str(ROOT / "docs" / "make_api.py"), "--check"],
-                            capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
+def test_api_reference_documents_every_public_name():
+    text = (ROOT / "docs" / "api.md").read_text()
+    listed = set(re.findall(r"^   (\w+)$", text, flags=re.M))          # the autosummary table
+    documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)$", text, flags=re.M))
+    assert listed == documented == set(PUBLIC)
+
+
+def test_sphinx_indexes_every_docs_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = {p.stem for p in (ROOT / "docs").glob("*.md")} - {"index"}
+    assert pages <= set(re.findall(r"^(\w+)$", index, flags=re.M))
+
+
+# cuonline/_api.py is being rewritten; its fix (one parameter group per line, no backslash)
+# turns these into passes, and strict=True then asks for the marks to go
+_BROKEN = pytest.mark.xfail(strict=True, reason="the raw docstring continues a parameter line "
+                            "with a backslash, which a raw string keeps, at column 0")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_BROKEN)
+                                  if n in ("attention_backward", "attention_vjp") else n
+                                  for n in PUBLIC])
+def test_help_renders_each_docstring(name):
+    # a line at column 0 after the first stops inspect.cleandoc from dedenting, so help()
+    # shows the whole text indented, and it ends numpydoc's parameter list in Sphinx
+    raw = getattr(cuonline, name).__doc__
+    assert "\\\n" not in raw
+    assert all(not line.strip() or line.startswith("    ")
+               for line in raw.expandtabs().splitlines()[1:])
 
 
 def test_readme_commands_are_the_ones_ci_runs():
@@ -22,3 +54,24 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert 'pip install ".[test]" && python -m pytest' in readme
     assert "pip install . && python -m cuonline demo" in readme
     assert "python -m pytest" in ci and ".[test" in ci
+    # what CI installs is what the README says it installs
+    assert '".[test,cuda13]"' in readme and '".[test,cuda13]"' in ci
+    assert "nvidia-cuda-nvrtc-cu12" in readme and "nvidia-cuda-nvrtc-cu12" in ci
+    assert 'pip install ".[docs]" && python -m sphinx -W -b html docs docs/_build/html' in readme
+    assert '".[docs]"' in ci and "python -m sphinx -W -q -b html docs docs/_build/html" in ci
+
+
+def test_readme_layout_names_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1]
+    docs_line = layout.split("\ndocs/", 1)[1]
+    for page in (ROOT / "docs").glob("*.md"):
+        assert page.stem in docs_line, f"README's layout leaves out docs/{page.name}"
+
+
+def test_install_commands_work_from_a_clone():
+    # no wheel is published: "cuonline[extra]" fails, ".[extra]" installs from the clone
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name == "scale.md":     # owned elsewhere; its fix is reported
+            continue
+        assert "cuonline[" not in path.read_text(), path

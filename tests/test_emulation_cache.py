@@ -265,13 +265,21 @@ def _child_pid(pid_file: Path) -> int:
     return int(pid_file.read_text())
 
 
-def test_ctrl_c_during_a_compile_ends_the_compilers_children(tmp_path, fake_cxx):
-    script, pid_file = fake_cxx
+def _start_compile(tmp_path, script, sigint):
+    """A Python process compiling KERNEL with the fake compiler, its SIGINT disposition set
+    first: a shell starts background jobs and ``nohup`` with SIGINT ignored, and a child
+    inherits that, so a test may not rely on the disposition pytest itself was given."""
     env = dict(os.environ, CUONLINE_CACHE_DIR=str(tmp_path / "cache"), CXX=str(script),
                PYTHONPATH=str(ROOT))
-    code = f"from cuonline.testing import emulate\nemulate.compile_module({KERNEL!r})\n"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+    code = (f"import signal\nsignal.signal(signal.SIGINT, signal.{sigint})\n"
+            f"from cuonline.testing import emulate\nemulate.compile_module({KERNEL!r})\n")
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def test_ctrl_c_during_a_compile_ends_the_compilers_children(tmp_path, fake_cxx):
+    script, pid_file = fake_cxx
+    proc = _start_compile(tmp_path, script, "default_int_handler")
     try:
         child = _child_pid(pid_file)
         assert _alive(child)
@@ -281,6 +289,22 @@ def test_ctrl_c_during_a_compile_ends_the_compilers_children(tmp_path, fake_cxx)
         proc.kill()
     assert "KeyboardInterrupt" in err, err
     assert _wait_until(lambda: not _alive(child), 5), "the compiler's child still runs"
+
+
+def test_an_ignored_sigint_stays_ignored_during_a_compile(tmp_path, fake_cxx):
+    # cuonline installs no SIGINT handler of its own: a process that ignores SIGINT (nohup, a
+    # background job) goes on compiling, and Python still waits for the compiler it started
+    script, pid_file = fake_cxx
+    proc = _start_compile(tmp_path, script, "SIG_IGN")
+    try:
+        child = _child_pid(pid_file)
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)
+        assert _alive(child)
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 def test_any_exception_during_a_compile_ends_the_compilers_children(tmp_path, fake_cxx,

@@ -53,9 +53,11 @@ def test_loop_reader_refuses_text_without_a_loop_around_the_mmas():
             "@P2 BRA `(.L_x_3)", "NOP"))
 
 
-needs_tools = pytest.mark.skipif(
-    not nvrtc.nvrtc_available() or sass.nvdisasm_path() is None,
-    reason='needs NVRTC and nvdisasm (pip install "nvidia-cuda-nvdisasm==13.*")')
+# name only what is missing: ".[test]" brings nvdisasm on Linux, ".[cuda13]" brings NVRTC
+_MISSING = ([] if nvrtc.nvrtc_available() else ['NVRTC (pip install ".[cuda13]")']) + (
+    [] if sass.nvdisasm_path() is not None
+    else ['nvdisasm (pip install "nvidia-cuda-nvdisasm==13.*", in ".[test]" on Linux)'])
+needs_tools = pytest.mark.skipif(bool(_MISSING), reason="needs " + " and ".join(_MISSING))
 
 # Instructions per mma in the key-tile loop, at most. Measured on sm_90 (docs/kernels.md):
 # f16/bf16 d128 6.2, f64 d128 6.2, f16 d64 with two query tiles per warp 9.8; before the

@@ -200,11 +200,10 @@ def _row_max(row):
 
 @numba.njit(fastmath=_FLAGS)
 def _exp_sum(row, shift, out):
-    """``out[:] = exp(row - shift)`` (``out`` may be ``row``; an empty ``out``: write nothing)
-    and return ``sum(exp(row - shift))``. Every ``row - shift`` must be <= 0, -inf or NaN.
+    """``out[:] = exp(row - shift)`` (an empty ``out``: write nothing) and return
+    ``sum(exp(row - shift))``. Every ``row - shift`` must be <= 0, -inf or NaN.
 
-    Three loops for the three cases: with ``out`` a second view of ``row``, LLVM's runtime
-    overlap check sent one shared loop down its scalar path (10x slower, measured)."""
+    ``row`` is only read, so a read-only array types; ``out`` is never a view of ``row``."""
     total = row.dtype.type(0)
     for c in range(0, row.shape[0], _CHUNK):
         part = row[c:c + _CHUNK]
@@ -212,11 +211,6 @@ def _exp_sum(row, shift, out):
         if out.shape[0] == 0:
             for j in range(part.shape[0]):
                 acc += exp_nonpositive(part[j] - shift)
-        elif out.ctypes.data == row.ctypes.data:
-            for j in range(part.shape[0]):
-                y = exp_nonpositive(part[j] - shift)
-                part[j] = y
-                acc += y
         else:
             dest = out[c:c + _CHUNK]
             for j in range(part.shape[0]):
@@ -301,7 +295,9 @@ def _shift_twice(row, shift, log_total, out):
 def _softmax_rows(x, out, mode):
     n = x.shape[0]
     zero = x.dtype.type(0)
-    nothing = x[0, :0] if n else x.reshape(-1)[:0]
+    # the empty output of the sum-only passes: a view of the writable out, not of x, since x
+    # may be read-only (a memmap, a view of another library's buffer)
+    nothing = out.reshape(-1)[:0]
     for i in range(n):
         row = x[i]
         top = _row_max(row)
@@ -320,7 +316,8 @@ def _softmax_rows(x, out, mode):
 
 softmax_rows = _jit(_softmax_rows)
 softmax_rows.__doc__ = """softmax (``mode`` 0), log_softmax (1) or logsumexp (2) of each row of the
-2-d float32 or float64 array ``x``, written to ``out`` (same shape; ``(n, 1)`` for logsumexp).
+2-d float32 or float64 array ``x`` (read only; it may be a read-only array), written to the
+C-contiguous ``out`` (same shape; ``(n, 1)`` for logsumexp).
 
 The formulas of :mod:`cuonline.engines.softmax` (max subtracted first; a row with nothing
 visible gives 0, ``-inf``, ``-inf``), in three sweeps over each row (max; exp and sum; write)
@@ -337,6 +334,8 @@ def _warm_up_tile(dtype):
 
 def _warm_up_rows(dtype):
     x = np.zeros((2, 3), dtype)
+    softmax_rows(x, np.empty_like(x), 0)
+    x.flags.writeable = False                       # numba types read-only arrays apart
     softmax_rows(x, np.empty_like(x), 0)
 
 
