@@ -123,7 +123,7 @@ def attention(
         on the CPU with NumPy arrays (needs a C++20 compiler; meant for testing).
         Dask arrays (any argument) give Dask arrays, lazily: one task per pair of a query
         chunk and a key chunk that can see each other, on its chunks' engine, merged by a
-        fixed tree (docs/scale.md; needs ``cuonline[dask]``).
+        fixed tree (docs/scale.md; needs Dask: ``pip install ".[dask]"``).
     workers : int, optional
         Threads of the NumPy engine, as in ``scipy.fft``: None (default) uses every core this
         process may run on (its CPU affinity), a positive int that many threads, a negative

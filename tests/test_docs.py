@@ -30,15 +30,7 @@ def test_sphinx_indexes_every_docs_page():
     assert pages <= set(re.findall(r"^(\w+)$", index, flags=re.M))
 
 
-# cuonline/_api.py is being rewritten; its fix (one parameter group per line, no backslash)
-# turns these into passes, and strict=True then asks for the marks to go
-_BROKEN = pytest.mark.xfail(strict=True, reason="the raw docstring continues a parameter line "
-                            "with a backslash, which a raw string keeps, at column 0")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_BROKEN)
-                                  if n in ("attention_backward", "attention_vjp") else n
-                                  for n in PUBLIC])
+@pytest.mark.parametrize("name", PUBLIC)
 def test_help_renders_each_docstring(name):
     # a line at column 0 after the first stops inspect.cleandoc from dedenting, so help()
     # shows the whole text indented, and it ends numpydoc's parameter list in Sphinx
