@@ -302,6 +302,50 @@ def test_block_bias_and_relative_terms(term):
 
 
 # --------------------------------------------------------------------------------------------
+# broadcast arguments: their axes are read from the right, as NumPy broadcasts
+
+
+@pytest.mark.parametrize("chunks", [(4, 4), ((5, 7), (3, 9))], ids=["shared", "unshared"])
+@pytest.mark.parametrize("option", ["bias", "mask"])
+def test_a_1d_bias_or_mask_is_a_key_axis_when_lq_equals_lk(option, chunks):
+    # (Lk,) with Lq == Lk: aligned to the left it was sliced by query chunks (a wrong answer
+    # with shared chunks, a ValueError at compute time without)
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((12, 4)) for _ in range(3))
+    opts = {"bias": dict(bias=rng.standard_normal(12)),
+            "mask": dict(mask=rng.random(12) < 0.6)}[option]
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **opts)
+    dq = da.from_array(q, chunks=(chunks[0], 4))
+    dk, dv = (da.from_array(x, chunks=(chunks[1], 4)) for x in (k, v))
+    dopts = {n: da.from_array(x, chunks=5) for n, x in opts.items()}
+    check_same(cuonline.attention(dq, dk, dv, return_lse=True, **dopts), (out, lse), q.dtype)
+    dout = rng.standard_normal(out.shape)
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse, **opts)
+    got = cuonline.attention_backward(dout, dq, dk, dv, out, lse, **dopts)
+    for field in ("dq", "dk", "dv", "dbias"):
+        want = getattr(ref, field)
+        if want is not None:
+            np.testing.assert_allclose(compute(getattr(got, field)), want, atol=1e-12,
+                                       err_msg=field)
+
+
+@pytest.mark.parametrize("q_chunks", [4, (1, 3)])
+def test_a_dout_of_shape_dv_is_a_head_axis_when_dv_equals_lq(q_chunks):
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((4, 4))
+    k, v = rng.standard_normal((9, 4)), rng.standard_normal((9, 4))
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(4)                # broadcast over the 4 queries
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse)
+    got = cuonline.attention_backward(da.from_array(dout, chunks=2),
+                                      da.from_array(q, chunks=(q_chunks, 4)),
+                                      da.from_array(k, chunks=(3, 4)), v, out, lse)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(compute(getattr(got, field)), getattr(ref, field),
+                                   atol=1e-12, err_msg=field)
+
+
+# --------------------------------------------------------------------------------------------
 # validation: the NumPy engine's messages
 
 

@@ -39,8 +39,8 @@ __all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is
 #: merges (and hence the result, to the last bit) is a property of the chunking alone.
 SPLIT_EVERY = 8
 
-# The logical axes of each array argument's trailing dimensions; leading dimensions are batch
-# axes, aligned to the right. "q"/"k": the query/key axis (chunked); "qb"/"kb": the block
+# The logical axes of each array argument's trailing dimensions, after the batch axes; an
+# argument with fewer dimensions takes the rightmost of them, as NumPy broadcasting does. "q"/"k": the query/key axis (chunked); "qb"/"kb": the block
 # bias's coarse axes (chunked with the query/key axis); "whole": one chunk (head dimensions,
 # relative tables indexed by distance).
 _LAYOUT = {
@@ -332,12 +332,15 @@ def _bounds(chunks):
 
 
 def _axis_kinds(x, name, p):
-    """The logical axis of each dimension of argument ``name``: a batch index or a kind."""
+    """The logical axis of each dimension of argument ``name``: a batch index or a kind.
+
+    Aligned from the right, as NumPy broadcasts: a 1-d ``bias`` of shape ``(Lk,)`` is a key
+    axis and a ``dout`` of shape ``(Dv,)`` a head axis, whatever the lengths."""
     layout = _LAYOUT[name]
     if name == "bias" and p.bias_block is not None:
         layout = ("qb", "kb")
-    n_batch = x.ndim - len(layout)
-    return [len(p.batch_shape) - n_batch + a for a in range(n_batch)] + list(layout)
+    kinds = list(range(len(p.batch_shape))) + list(layout)
+    return kinds[len(kinds) - x.ndim:]
 
 
 def _rechunk(x, name, p, batch_chunks, axis_chunks):
