@@ -409,6 +409,19 @@ def test_merge_of_dask_states():
         cuonline.merge(da_, (b[0][:1], b[1][:1]))
 
 
+def test_merge_of_a_state_of_unknown_chunk_sizes_is_refused():
+    rng = np.random.default_rng(23)
+    out, lse = cuonline.attention(*(rng.standard_normal((6, 4)) for _ in range(3)),
+                                  return_lse=True)
+    keep = da.from_array(lse, chunks=3) > -np.inf
+    lazy_out, lazy_lse = da.from_array(out, chunks=(3, 4))[keep], da.from_array(lse)[keep]
+    with pytest.raises(ValueError, match=r"state 1: `lse` has unknown chunk sizes .*"
+                                         r"states\[1\]\[1\]\.compute_chunk_sizes\(\)"):
+        cuonline.merge((out, lse), (out, lazy_lse))
+    with pytest.raises(ValueError, match=r"state 0: `out` has unknown chunk sizes"):
+        cuonline.merge((lazy_out, lse), (out, lse))
+
+
 # --------------------------------------------------------------------------------------------
 # CuPy-backed chunks
 

@@ -282,12 +282,19 @@ def _validate_on_stand_ins(arrays, options, validate):
         elif name == "kv_lengths" and isinstance(x, np.ndarray):
             stand_ins[name] = x                # small: its values are checked and used
         else:
-            if any(isinstance(n, float) and math.isnan(n) for n in x.shape):
-                raise ValueError(f"`{name}` has unknown chunk sizes (shape {x.shape}); call "
-                                 f"{name}.compute_chunk_sizes() first")
-            stand_ins[name] = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+            stand_ins[name] = _stand_in(x, f"`{name}`", name)
     options = {n: x for n, x in options.items() if n not in _OPTION_ARRAYS}
     return validate(**stand_ins, **dict(options, backend=backend))
+
+
+def _stand_in(x, label, name):
+    """A zero-memory NumPy array of ``x``'s shape and dtype; a Dask ``x`` of unknown chunk
+    sizes (after boolean indexing) is a ValueError naming it (``label``; ``name`` in the
+    suggested call)."""
+    if any(isinstance(n, float) and math.isnan(n) for n in x.shape):
+        raise ValueError(f"{label} has unknown chunk sizes (shape {x.shape}); call "
+                         f"{name}.compute_chunk_sizes() first")
+    return np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
 
 
 def _as_dask(da, x):
@@ -528,7 +535,7 @@ def merge(*states):
         for i, x in enumerate(state):
             metas[f"states[{n}][{i}]"] = x._meta if _is_dask_array(x) else x
             if x is not None and hasattr(x, "shape") and hasattr(x, "dtype"):
-                x = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+                x = _stand_in(x, f"state {n}: `{('out', 'lse')[i]}`", f"states[{n}][{i}]")
             pair.append(x)
         stand_ins.append(tuple(pair))
     _validate.validate_merge(stand_ins)
