@@ -196,6 +196,31 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
     np.testing.assert_allclose(out, ref[0], atol=1e-14)
 
 
+@pytest.mark.parametrize("offsets", [dict(q_offset=2**53), dict(q_offset=2**70),
+                                     dict(q_offset=-(2**53)), dict(q_offset=0, k_offset=2**60)])
+def test_alibi_past_the_diagonal_clamp_is_clamped_once(offsets):
+    # each task's offsets are the clamped diagonal plus its chunk's: clamped again, a chunk's
+    # ALiBi distances shifted by its chunk offsets
+    rng = np.random.default_rng(24)
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (64, 70, 70))
+    slopes = np.array([2.0**-16, 2.0**-18])    # slope * 2**53: lse of 2**37, ulp 2**-15
+    opts = dict(alibi_slopes=slopes, **offsets)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **opts)
+    dq = da.from_array(q, chunks=(1, 16, 8))
+    dk = da.from_array(k, chunks=(2, 13, 8))
+    got_out, got_lse = compute(cuonline.attention(dq, dk, v, return_lse=True, **opts))
+    # merging (out, lse) states rounds each lse at its magnitude: a floor of a few ulp
+    ulp = np.spacing(np.abs(lse).max())
+    assert np.abs(got_lse - lse).max() <= 2 * ulp
+    assert np.abs(got_out - out).max() <= 2 * ulp
+    dout = rng.standard_normal(out.shape)
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse, **opts)
+    got = cuonline.attention_backward(dout, dq, dk, v, out, lse, **opts)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(compute(getattr(got, field)), getattr(ref, field),
+                                   atol=1e-12, err_msg=field)
+
+
 # --------------------------------------------------------------------------------------------
 # the graph
 
