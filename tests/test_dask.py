@@ -664,6 +664,25 @@ def test_backward_skips_invisible_pairs_and_zeroes_unread_keys():
     np.testing.assert_allclose(got, ref.dk, atol=1e-12)
 
 
+def test_one_gradient_reads_only_its_own_pieces_of_each_task():
+    # a task's Gradients bundle is split at once: the sums of dq read dq pieces only, so
+    # computing dq alone frees each task's dk and dv as soon as the task ends
+    from dask.core import get_dependencies
+    from dask.optimization import cull
+    (q, k, v), (dq, dk, dv) = square(64, 8)
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    grads = cuonline.attention_backward(np.ones_like(out), dq, dk, dv, out, lse,
+                                        bias=np.zeros((64, 64)))
+    for field in ("dq", "dk", "dv", "dbias"):
+        x = getattr(grads, field)
+        graph, _ = cull(dict(x.__dask_graph__()), list(dask.core.flatten(x.__dask_keys__())))
+        tasks = [key for key in graph if isinstance(key, tuple) and key[0].endswith("-chunk")]
+        assert len(tasks) == 64, field
+        readers = [key for key in graph if set(get_dependencies(graph, key)) & set(tasks)]
+        assert readers and all(key[0].endswith(f"-{field}-piece") for key in readers), \
+            (field, {key[0] for key in readers})
+
+
 def test_backward_errors_are_those_of_the_numpy_engine():
     q = np.zeros((6, 4))
     out, lse = cuonline.attention(q, q, q, return_lse=True)

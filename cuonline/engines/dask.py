@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from .. import _validate
-from .._semantics import visible_key_range
+from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
 
 __all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is_dask_merge",
@@ -121,7 +121,8 @@ def attention(chunk_attention, /, q, k, v, **options):
             q_ref = TaskRef(_block_key(plan.arrays["q"], "q", p, b, iq, 0))
             dsk[key] = Task(key, _empty_state, q_ref, shape, p.dv, p.acc_dtype)
             parts.append(key)
-        states[b + (iq,)] = _merge_tree(dsk, merge_name, b + (iq,), parts, Task, TaskRef)
+        states[b + (iq,)] = _reduce_tree(dsk, merge_name, b + (iq,), parts, _merge_group,
+                                         Task, TaskRef)
 
     out, lse = _state_arrays(da, f"cuonline-attention-{plan.token}", dsk,
                              list(plan.arrays.values()), states,
@@ -148,7 +149,6 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     from dask.task_spec import Task, TaskRef
 
     from .._gradients import Gradients
-    from .._semantics import accumulation_dtype
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     p = _validate_on_stand_ins(arrays, options, _validate.validate_attention_backward).forward
@@ -162,9 +162,15 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
             reads = plan.reads(b, iq, jk)
             dsk[key] = Task(key, _chunk_gradients, chunk_backward, per_task, j0, plan.names,
                             *(TaskRef(r) for r in reads))
+            # one piece per gradient, split off at once: a gradient's sum reads only its own
+            # pieces, so computing one gradient does not keep the others' blocks alive
             for arg, read in zip(plan.names, reads):
                 if arg in _GRADIENT_OF:
-                    readers.setdefault((arg, read), []).append(key)
+                    field = _GRADIENT_OF[arg]
+                    piece = (f"{name}-{field}-piece", *b, iq, jk)
+                    dsk[piece] = Task(piece, _take_gradient, TaskRef(key), field,
+                                      _accumulation_of(p, plan.arrays[arg], arg))
+                    readers.setdefault((arg, read), []).append(piece)
 
     graph = HighLevelGraph.from_collections(f"{name}-state", dsk,
                                             dependencies=list(plan.arrays.values()))
@@ -173,8 +179,7 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
         x = plan.arrays.get(arg)
         if x is None:
             continue
-        dtype = p.dtype if arg in ("q", "k", "v") else np.dtype(x.dtype).newbyteorder("=")
-        acc = accumulation_dtype(dtype)
+        dtype = _gradient_dtype(p, x, arg)
         out_name, layer = f"{name}-{field}", {}
         for index in itertools.product(*(range(n) for n in x.numblocks)):
             block, key = (x.name, *index), (out_name, *index)
@@ -182,12 +187,23 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
             if not parts:
                 layer[key] = Task(key, _zeros_of, TaskRef(block), dtype)
                 continue
-            total = _sum_tree(dsk, f"{name}-sum-{field}", index, parts, field, acc, Task, TaskRef)
+            total = _reduce_tree(dsk, f"{name}-sum-{field}", index, parts, _sum_arrays,
+                                 Task, TaskRef)
             layer[key] = Task(key, _cast, TaskRef(total), dtype)
         gradients[field] = da.Array(
             _with_layer(graph, out_name, layer, f"{name}-state"), out_name, chunks=x.chunks,
             meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
     return Gradients(**{f: gradients.get(f) for f in _GRADIENT_OF.values()})
+
+
+def _gradient_dtype(p, x, arg):
+    """The dtype of the gradient of argument ``arg`` (Dask array ``x``): the inputs' dtype for
+    q, k and v, the argument's own (native byte order) for the others."""
+    return p.dtype if arg in ("q", "k", "v") else np.dtype(x.dtype).newbyteorder("=")
+
+
+def _accumulation_of(p, x, arg):
+    return accumulation_dtype(_gradient_dtype(p, x, arg))
 
 
 class _Plan:
@@ -374,21 +390,21 @@ def _block_key(x, name, p, b, iq, jk):
     return (x.name, *index)
 
 
-def _merge_tree(dsk, name, where, parts, Task, TaskRef):
-    """Add the merge tasks of the states ``parts`` (in key order, fan-in SPLIT_EVERY) to
-    ``dsk``; return the key of the final state."""
+def _reduce_tree(dsk, name, where, parts, combine, Task, TaskRef):
+    """Add to ``dsk`` the tasks that reduce the results ``parts`` with ``combine`` (in order,
+    fan-in SPLIT_EVERY; a group of one passes up as it is); return the key of the result."""
     level = 0
     while len(parts) > 1:
-        merged = []
+        reduced = []
         for g in range(0, len(parts), SPLIT_EVERY):
             group = parts[g:g + SPLIT_EVERY]
             if len(group) == 1:
-                merged.append(group[0])
+                reduced.append(group[0])
                 continue
             key = (name, *where, level, g // SPLIT_EVERY)
-            dsk[key] = Task(key, _merge_group, *(TaskRef(s) for s in group))
-            merged.append(key)
-        parts, level = merged, level + 1
+            dsk[key] = Task(key, combine, *(TaskRef(s) for s in group))
+            reduced.append(key)
+        parts, level = reduced, level + 1
     return parts[0]
 
 
@@ -448,31 +464,9 @@ def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
     return chunk_backward(*positional, **arrays, **options)
 
 
-def _sum_tree(dsk, name, where, parts, field, acc_dtype, Task, TaskRef):
-    """Add to ``dsk`` the tasks that sum ``field`` of the Gradients ``parts`` (in order, fan-in
-    SPLIT_EVERY, in ``acc_dtype``); return the key of the total."""
-    level, sums = 0, []
-    for g in range(0, len(parts), SPLIT_EVERY):
-        key = (name, *where, level, g // SPLIT_EVERY)
-        dsk[key] = Task(key, _sum_field, field, acc_dtype,
-                        *(TaskRef(x) for x in parts[g:g + SPLIT_EVERY]))
-        sums.append(key)
-    while len(sums) > 1:
-        level, merged = level + 1, []
-        for g in range(0, len(sums), SPLIT_EVERY):
-            key = (name, *where, level, g // SPLIT_EVERY)
-            dsk[key] = Task(key, _sum_arrays, *(TaskRef(x) for x in sums[g:g + SPLIT_EVERY]))
-            merged.append(key)
-        sums = merged
-    return sums[0]
-
-
-def _sum_field(field, acc_dtype, *gradients):
-    total = None
-    for g in gradients:
-        x = getattr(g, field).astype(acc_dtype)
-        total = x if total is None else total + x
-    return total
+def _take_gradient(gradients, field, acc_dtype):
+    """One gradient of a task's Gradients, in the accumulation dtype of the sums."""
+    return getattr(gradients, field).astype(acc_dtype, copy=False)
 
 
 def _sum_arrays(*arrays):
