@@ -31,9 +31,10 @@ import numpy as np
 from .. import _validate
 from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
+from .softmax import stats as softmax_stats
 
 __all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is_dask_merge",
-           "merge"]
+           "is_dask_softmax", "merge", "softmax"]
 
 #: Fan-in of the merge tree over key chunks. Fixed, so that the order of the floating-point
 #: merges (and hence the result, to the last bit) is a property of the chunking alone.
@@ -282,15 +283,7 @@ def _validate_on_stand_ins(arrays, options, validate):
             raise TypeError(f"`{name}` is an array, which the Dask engine cannot chunk; pass "
                             f"it as a scalar or compute the call without Dask arrays")
     arrays = dict(arrays, **{n: options.get(n) for n in _OPTION_ARRAYS})
-    metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in arrays.items()}
-    # mixed libraries and numpy.ma chunks: the errors of the in-memory call
-    xp = _validate.array_namespace(**metas)
-    backend = options.get("backend", "auto")
-    if xp is not np:
-        # CuPy chunks, perhaps on a client without a GPU: check the backend against CuPy
-        # here, validate the rest on NumPy stand-ins; each task checks its own CUDA limits
-        _validate._check_backend(backend, xp)
-        backend = "auto"
+    backend = _stand_in_backend(arrays, options.get("backend", "auto"))
     stand_ins = {}
     for name, x in arrays.items():
         if x is None or (not hasattr(x, "shape") and not _is_dask_array(x)):
@@ -301,6 +294,20 @@ def _validate_on_stand_ins(arrays, options, validate):
             stand_ins[name] = _stand_in(x, f"`{name}`", name)
     options = {n: x for n, x in options.items() if n not in _OPTION_ARRAYS}
     return validate(**stand_ins, **dict(options, backend=backend))
+
+
+def _stand_in_backend(arrays, backend):
+    """The backend to validate NumPy stand-ins of ``arrays`` (a dict of the arguments) with.
+
+    Mixed libraries and ``numpy.ma`` chunks raise the errors of the in-memory call. CuPy
+    chunks, perhaps on a client without a GPU: the backend is checked against CuPy here and
+    the rest validated with ``"auto"``; each task checks its own CUDA limits."""
+    xp = _validate.array_namespace(**{n: (x._meta if _is_dask_array(x) else x)
+                                      for n, x in arrays.items()})
+    if xp is np:
+        return backend
+    _validate._check_backend(backend, xp)
+    return "auto"
 
 
 def _stand_in(x, label, name):
@@ -507,6 +514,145 @@ def _take_out(state, dtype):
 
 def _take_lse(state):
     return state[1]
+
+
+# --------------------------------------------------------------------------------------------
+# softmax, log_softmax, logsumexp
+
+
+def is_dask_softmax(x, mask=None) -> bool:
+    """Whether ``x`` or ``mask`` of a call of the softmax family is a Dask array."""
+    return _is_dask_array(x) or _is_dask_array(mask)
+
+
+def softmax(chunk_function, /, x, axis=-1, *, mask=None, mode="softmax", keepdims=False,
+            backend="auto"):
+    """``cuonline.softmax``, ``log_softmax`` or ``logsumexp`` (``mode``) on Dask arrays: a
+    Dask array of the result, nothing computed.
+
+    Validated at once on zero-memory stand-ins (the in-memory call's errors). Blocks map
+    along the other axes. Where `axis` is one chunk, each block is one call of
+    ``chunk_function`` (the public function of ``mode``, which the engines cannot import) on
+    its block and `mask` block, so the result is the in-memory call's. Where `axis` is
+    chunked, each block gives its state ``(m, l)`` (the slice's max, ``-inf`` where nothing is
+    visible, and ``sum(exp(x - m))``, in the accumulation dtype); the states of one slice
+    merge exactly, ``m = max m_i``, ``l = sum l_i exp(m_i - m)``, by a tree of fixed fan-in
+    :data:`SPLIT_EVERY` in block order; each block then gives ``exp(x - m) / l`` or
+    ``(x - m) - log(l)`` (``m + log(l)`` for logsumexp), as the NumPy engine does, in the
+    array operations of the chunks' library.
+    """
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+    from dask.task_spec import Task, TaskRef
+
+    backend_checked = _stand_in_backend({"x": x, "mask": mask}, backend)
+    stand_ins = {n: (_stand_in(a, f"`{n}`", n) if hasattr(a, "shape") else a)
+                 for n, a in (("x", x), ("mask", mask))}
+    p = _validate.validate_axis_input(stand_ins["x"], axis, stand_ins["mask"], backend_checked,
+                                      mode=mode, keepdims=keepdims)
+    axis, dtype = p.axis, p.dtype
+    x = _as_dask(da, x)
+    arrays = [x]
+    if mask is not None:
+        arrays.append(da.broadcast_to(_as_dask(da, mask), x.shape).rechunk(x.chunks))
+    name = f"cuonline-{mode.replace('_', '-')}-" + tokenize(
+        *(a.name for a in arrays), axis, mode, p.keepdims, backend,
+        chunk_function.__module__, chunk_function.__qualname__)
+    reduces = mode == "logsumexp"
+    out_chunks = list(x.chunks)
+    if reduces:
+        out_chunks[axis] = (1,)
+
+    dsk = {}
+    others = [range(n) if a != axis else range(1) for a, n in enumerate(x.numblocks)]
+    for other in itertools.product(*others):
+        def reads(j, other=other):
+            index = other[:axis] + (j,) + other[axis + 1:]
+            return index, [TaskRef((a.name, *index)) for a in arrays]
+
+        if x.numblocks[axis] == 1:
+            index, refs = reads(0)
+            key = (name, *index)
+            dsk[key] = Task(key, _softmax_call, chunk_function, mode, axis, True, backend,
+                            *refs)
+            continue
+        parts = []
+        for j in range(x.numblocks[axis]):
+            index, refs = reads(j)
+            key = (f"{name}-state", *index)
+            dsk[key] = Task(key, _softmax_state, axis, *refs)
+            parts.append(key)
+        state = TaskRef(_reduce_tree(dsk, f"{name}-merge", other, parts, _merge_softmax_states,
+                                     Task, TaskRef))
+        if reduces:
+            key = (name, *other)
+            dsk[key] = Task(key, _logsumexp_of_state, dtype, state)
+            continue
+        for j in range(x.numblocks[axis]):
+            index, refs = reads(j)
+            key = (name, *index)
+            dsk[key] = Task(key, _softmax_finish, mode, dtype, state, *refs)
+
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=arrays)
+    result = da.Array(graph, name, chunks=tuple(out_chunks),
+                      meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
+    return result.squeeze(axis) if reduces and not p.keepdims else result
+
+
+def _softmax_call(chunk_function, mode, axis, keepdims, backend, x, mask=None):
+    """The in-memory call on one block whose `axis` is whole."""
+    extra = {"keepdims": keepdims} if mode == "logsumexp" else {}
+    return chunk_function(x, axis, mask=mask, backend=backend, **extra)
+
+
+def _softmax_state(axis, x, mask=None):
+    """``(m, l)`` of a block along `axis` (with keepdims), in the accumulation dtype: ``m``
+    the max of the visible entries (``-inf`` if none), ``l = sum(exp(x - m))``."""
+    xp = _validate.array_namespace(x=x)
+    _, shift, total = softmax_stats(xp, x, axis, mask)
+    # stats shifts a slice with nothing visible by 0 (total 0); its max is -inf, so that a
+    # merge does not scale the other blocks' sums against 0
+    return xp.where(total == 0, -np.inf, shift), total
+
+
+def _merge_softmax_states(*states):
+    """One ``(m, l)`` of the states of consecutive blocks of a slice: ``m = max m_i``,
+    ``l = sum l_i exp(m_i - m)``. A NaN (or, from a ``+inf`` entry, a NaN ``l``) stays NaN."""
+    xp = _validate.array_namespace(m=states[0][0])
+    tops = xp.stack([m for m, _ in states])
+    top = tops.max(axis=0)
+    shift = xp.where(xp.isinf(top), 0, top)        # no -inf - (-inf) where nothing is visible
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = (xp.stack([l for _, l in states]) * xp.exp(tops - shift)).sum(axis=0)
+    return top, total
+
+
+def _finite_shift(top):
+    xp = _validate.array_namespace(m=top)
+    return xp.where(top == -np.inf, 0, top)        # as the NumPy engine: no -inf - (-inf)
+
+
+def _softmax_finish(mode, dtype, state, x, mask=None):
+    """softmax or log_softmax of one block from the merged state of its slices."""
+    xp = _validate.array_namespace(x=x)
+    top, total = state
+    xa = x.astype(top.dtype, copy=False)
+    if mask is not None:
+        xa = xp.where(mask, xa, -np.inf)
+    # a slice with nothing visible has l = 0: divided by (log of) 1, it stays 0 (-inf)
+    norm = xp.where(total == 0, 1, total)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = xa - _finite_shift(top)
+        out = xp.exp(d) / norm if mode == "softmax" else d - xp.log(norm)
+    return out.astype(dtype, copy=False)
+
+
+def _logsumexp_of_state(dtype, state):
+    xp = _validate.array_namespace(m=state[0])
+    top, total = state
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (_finite_shift(top) + xp.log(total)).astype(dtype, copy=False)
 
 
 # --------------------------------------------------------------------------------------------
