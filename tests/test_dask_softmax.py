@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import needs_gpu
 
 import cuonline
 from cuonline.engines import dask as dask_engine
@@ -177,6 +178,21 @@ def test_unknown_chunk_sizes_are_refused():
     with pytest.raises(ValueError, match=r"`x` has unknown chunk sizes .* "
                                          r"x\.compute_chunk_sizes\(\)"):
         engine("softmax", x[x > 2])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("chunks", [(16, 8), (16, 64)], ids=["chunked", "whole"])
+def test_cupy_chunks_give_cupy_blocks(chunks):
+    import cupy
+    x = np.random.default_rng(4).standard_normal((64, 64)).astype(np.float32) * 10
+    dx = da.from_array(cupy.asarray(x), chunks=chunks, asarray=False)
+    for mode in FUNCTIONS:
+        got = engine(mode, dx).compute()
+        assert isinstance(got, cupy.ndarray), mode
+        ref = FUNCTIONS[mode](x)
+        np.testing.assert_allclose(got.get(), ref, rtol=0,
+                                   atol=rtol(x.dtype) * max(1, np.abs(ref).max()))
 
 
 # --------------------------------------------------------------------------------------------
