@@ -15,10 +15,12 @@ error is the one the NumPy engine would raise; then a graph is built:
   window, at or past every ``kv_lengths`` of the batch chunk when ``kv_lengths`` is concrete)
   gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``.
 
-:func:`attention_backward` runs the backward pass on the same graph. Each task runs the
-engine of its chunks' library: NumPy chunks the NumPy engine, CuPy chunks
-the CUDA kernels. ``import cuonline`` imports this module but not Dask: Dask is imported on
-the first Dask call.
+:func:`attention_backward` runs the backward pass on the same graph, each task's gradients
+split into one piece per gradient and summed by one tree per gradient. :func:`softmax` is the
+softmax family's graph: blocks map, and a chunked softmax axis merges per-block ``(m, l)``
+states by a fixed tree. Each task runs the engine of its chunks' library: NumPy chunks the
+NumPy engine, CuPy chunks the CUDA kernels. ``import cuonline`` imports this module but not
+Dask: Dask is imported on the first Dask call.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ __all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is
 SPLIT_EVERY = 8
 
 # The logical axes of each array argument's trailing dimensions, after the batch axes; an
-# argument with fewer dimensions takes the rightmost of them, as NumPy broadcasting does. "q"/"k": the query/key axis (chunked); "qb"/"kb": the block
-# bias's coarse axes (chunked with the query/key axis); "whole": one chunk (head dimensions,
-# relative tables indexed by distance).
+# argument with fewer dimensions takes the rightmost of them, as NumPy broadcasting does.
+# "q"/"k": the query/key axis (chunked); "qb"/"kb": the block bias's coarse axes (chunked
+# with the query/key axis); "whole": one chunk (head dimensions, relative tables indexed by
+# distance).
 _LAYOUT = {
     "q": ("q", "whole"),
     "k": ("k", "whole"),
@@ -142,8 +145,10 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     nothing else of the other chunks, so each task's gradients are exact contributions. The
     gradient of an input block is the sum of the contributions of the tasks that read it, in
     a fixed tree (``SPLIT_EVERY``, in task order) in the accumulation dtype; a block no task
-    reads (keys no query sees) gets zeros. Every gradient is a Dask array of its input's shape
-    and chunks, whatever library the input came in.
+    reads (keys no query sees) gets zeros. Each task's gradients are split into one piece per
+    gradient as soon as it ends, and each tree reads only its gradient's pieces, so computing
+    one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
+    of its input's shape and chunks, whatever library the input came in.
     """
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
