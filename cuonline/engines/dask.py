@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from .. import _validate
+from .. import _options, _validate
 from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
 from .softmax import stats as softmax_stats
@@ -46,29 +46,24 @@ SPLIT_EVERY = 8
 # argument with fewer dimensions takes the rightmost of them, as NumPy broadcasting does.
 # "q"/"k": the query/key axis (chunked); "qb"/"kb": the block bias's coarse axes (chunked
 # with the query/key axis); "whole": one chunk (head dimensions, relative tables indexed by
-# distance).
+# distance). The array options' layouts are rows of the options table.
 _LAYOUT = {
     "q": ("q", "whole"),
     "k": ("k", "whole"),
     "v": ("k", "whole"),
-    "bias": ("q", "k"),
-    "mask": ("q", "k"),
-    "kv_lengths": (),
-    "alibi_slopes": (),
-    "rel_bias": ("whole",),
-    "rel_q": ("q", "whole"),
-    "rel_k": ("whole", "whole"),
+    **{name: _options.array_layout(name) for name in _options.array_options()},
     # the backward pass's: per query chunk
     "dout": ("q", "whole"),
     "out": ("q", "whole"),
     "lse": ("q",),
 }
-_OPTION_ARRAYS = ("bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k")
+_OPTION_ARRAYS = _options.array_options()
 #: The differentiable arguments and their fields of cuonline.Gradients.
-_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "rel_bias": "drel_bias",
-                "rel_q": "drel_q", "rel_k": "drel_k"}
-# keywords the graph sets per task; every other keyword goes to each task as it came
-_POSITIONAL = ("causal", "window", "q_offset", "k_offset", "return_lse")
+_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", **_options.differentiable_options()}
+# keywords the graph sets per task (the positions, and return_lse); every other keyword goes
+# to each task as it came
+_POSITIONAL = (*(n for n in _options.names() if _options.option_kind(n) == "position"),
+               "return_lse")
 
 
 def _is_dask_array(x) -> bool:
