@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import `support` and `oracle` as modules
 
-from support import Engine, engine_params  # noqa: E402 - needs the path above
+from support import (Engine, engine_params, needs_emulation, needs_gpu,  # noqa: E402
+                     needs_nvrtc)                      # (needs the path above)
 
 
 @pytest.fixture
@@ -27,18 +28,13 @@ def engine(request):
     return Engine(request.param)
 
 
-#: Parameter values that put a test on cuonline's CUDA kernels (emulated on the CPU, or a GPU).
-_KERNEL_ENGINES = ("emulate", "cupy")
-
 
 def pytest_collection_modifyitems(config, items):
     """The fast tier, ``python -m pytest -m "not slow"``, runs every public function on the
-    NumPy engine; a test that runs the CUDA kernels (a case parametrized with the emulate or
-    cupy engine, or a module marked ``pytestmark = pytest.mark.slow``) is slow."""
-    slow = pytest.mark.slow
+    NumPy engine. Slow: a module marked ``pytestmark = pytest.mark.slow`` (kernels, wheels,
+    benchmarks) and any case that needs the emulation, NVRTC or a GPU, i.e. that compiles or
+    runs cuonline's CUDA kernels."""
+    kernel_marks = [m.mark for m in (needs_emulation, needs_nvrtc, needs_gpu)]
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and any(
-                isinstance(value, str) and value in _KERNEL_ENGINES
-                for value in callspec.params.values()):
-            item.add_marker(slow)
+        if any(mark in kernel_marks for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.slow)

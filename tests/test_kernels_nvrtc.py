@@ -16,7 +16,7 @@ from cuonline.toolchain import nvrtc
 from cuonline.kernels.heuristics import (SMEM_OPT_IN_LIMIT, arch_number, bwd_smem_limit,
                                          simt_smem_limit, simt_smem_opt_in_limit)
 
-pytestmark = needs_nvrtc
+pytestmark = [needs_nvrtc, pytest.mark.slow]   # the fast tier leaves it out
 
 SPECS = families.listing_specs()
 # (spec, arch): each arch's listing (below sm_80 without the tensor-core family)

@@ -13,6 +13,8 @@ from support import needs_emulation
 
 from cuonline.testing import emulate
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
