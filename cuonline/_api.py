@@ -37,7 +37,7 @@ def attention(
     rel_q: Array | None = None, rel_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Any:   # out, or (out, lse) with return_lse
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding

@@ -124,7 +124,7 @@ def array_namespace(**named) -> Any:
     ``None`` values and non-array values (lists, scalars) are ignored here; they are converted
     with the namespace chosen by the arrays.
     """
-    seen = {}
+    seen: dict[str, str] = {}
     for name, x in named.items():
         _refuse_masked(x, name)
         lib = _library(x)

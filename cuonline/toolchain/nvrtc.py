@@ -232,7 +232,7 @@ class _CtypesBackend:
 
 
 _BACKEND = None
-_FALLBACK = []   # [] not looked for yet, [None] none installed, [backend]
+_FALLBACK: list = []   # [] not looked for yet, [None] none installed, [backend]
 
 
 def _backend(arch: str | None = None):
