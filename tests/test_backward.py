@@ -437,3 +437,26 @@ def test_empty_shapes(q_shape, k_shape):
     g = backward(q, k, k, np.ones(q_shape), {})
     assert g.dq.shape == q_shape and g.dk.shape == g.dv.shape == k_shape
     assert not g.dq.any() and not g.dk.any() and not g.dv.any()
+
+
+def test_nan_at_unseen_relative_table_places_reaches_no_gradient(small_tiles):
+    """Issue 22, item 2: ``rel_k`` rows that no query sees (distances > 0 under causal) and a
+    ``rel_q`` row of a query that sees no key contribute exactly zero: the gradients equal those
+    of the same call with zeros there, where the dense products ``g @ band`` and ``g.T @ rel_q``
+    would have carried 0 * NaN into every entry."""
+    q, k, v, dout, o = make(21, ("rel_qk", "mask"), lq=33, lk=33)
+    o["causal"] = True
+    rk = o["rel_k"].shape[-2] // 2
+    o["rel_k"][rk + 1:] = np.nan                      # distances > 0: never seen under causal
+    o["rel_q"][0, 1, 3] = np.nan                      # row 3 sees no key (make's mask)
+    g = backward(q, k, v, dout, o)
+    clean = dict(o, rel_k=np.nan_to_num(o["rel_k"], nan=0.0),
+                 rel_q=np.nan_to_num(o["rel_q"], nan=0.0))
+    ref = reference_attention_backward(dout, q, k, v, **clean)
+    for name in GRAD_NAMES:
+        got = getattr(g, name)
+        if ref[name] is None:
+            continue
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, ref[name], rtol=0, atol=1e-12, err_msg=name)
+    assert not g.drel_k[rk + 1:].any()

@@ -292,8 +292,10 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     # Scores and the running max stay in natural units: any finite score is representable,
     # whereas folding log2(e) in would overflow scores above max / 1.44. Only s - m <= 0 is
     # exponentiated (np.exp: twice as fast as np.exp2 for float32, measured).
-    qb = _blas_ready(p.q[b][i0:i1], acc_t) * acc_t.type(p.scale)
     k, v = p.k[b], p.v[b]
+    q_block = p.q[b][i0:i1]
+    sliced = _copy_is_large(q_block, acc_t) or _copy_is_large(k[j_lo:j_hi], acc_t)
+    qb = None if sliced else _blas_ready(q_block, acc_t) * acc_t.type(p.scale)
     cap = None if p.softcap is None else acc_t.type(p.softcap)
     slope = None if p.alibi_slopes is None else acc_t.type(p.alibi_slopes[b])
     terms = _ScoreTerms(p, b, i0, i1)
@@ -301,7 +303,10 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     def scores(js, je, band=True):
         """(n, je - js) scores of the tile, -inf where a row may not see a key (but for the
         window band when ``band`` is false: the kernel takes that from its ``lo`` and ``hi``)."""
-        s = qb @ _blas_ready(k[js:je], acc_t).T
+        if sliced:
+            s = _sliced_product(q_block, k[js:je], acc_t, p.scale)
+        else:
+            s = qb @ _blas_ready(k[js:je], acc_t).T
         terms.add_relative_logits(s, js, je)       # + rel_q . rel_k[delta]
         if cap is not None and not p.softcap_bias:
             _soft_cap(s, cap)                      # the content score only
@@ -544,3 +549,28 @@ def _blas_ready(x, dtype):
     if x.flags.c_contiguous or x.flags.f_contiguous:
         return x
     return np.ascontiguousarray(x)
+
+
+# A broadcast (zero-stride) operand whose copy would exceed this many bytes is multiplied in
+# slices of its last axis, copying one slice at a time (D = 2**24 broadcast from one element).
+SLICE_BYTES = 1 << 22
+
+
+def _copy_is_large(x, dtype):
+    """True when :func:`_blas_ready` would copy the broadcast view ``x`` into more than
+    SLICE_BYTES: memory of the size of what ``x`` only pretends to hold."""
+    broadcast = any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape))
+    return broadcast and x.size * np.dtype(dtype).itemsize > SLICE_BYTES
+
+
+def _sliced_product(a, b, dtype, scale):
+    """``(a * scale) @ b.T`` of an (n, d) ``a`` and a (w, d) ``b``, summed over slices of ``d``
+    of at most SLICE_BYTES per operand copy, in order."""
+    n, d = a.shape
+    w = b.shape[0]
+    step = max(1, SLICE_BYTES // (np.dtype(dtype).itemsize * max(n, w, 1)))
+    out = np.zeros((n, w), dtype=dtype)
+    for c in range(0, d, step):
+        part = _blas_ready(a[:, c:c + step], dtype) * dtype.type(scale)
+        out += part @ _blas_ready(b[:, c:c + step], dtype).T
+    return out

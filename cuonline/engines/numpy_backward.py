@@ -353,8 +353,32 @@ def _relative_logit_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
     # the gradient of the (n, nb) products is dS skewed into that layout, zero elsewhere
     g = np.zeros((n, n + w - 1), dtype=acc)
     _skew(g)[...] = ds
-    _add_tail(buffers["rel_q"], slots["rel_q"], g @ band, (i0, 0))
-    _scatter(buffers["rel_k"], slots["rel_k"], index, g.T @ terms.rel_q)
+    seen = _BandVisibility(p, e, i0, i1, js, je)
+    _add_tail(buffers["rel_q"], slots["rel_q"], _product(g, band, seen), (i0, 0))
+    _scatter(buffers["rel_k"], slots["rel_k"], index,
+             _product(g.T, terms.rel_q, seen.transposed))
+
+
+class _BandVisibility:
+    """The (n, n + w - 1) boolean "row sees the distance of band entry t" of a tile: the tile's
+    visibility skewed into the band layout, False where no key of the tile lies at that
+    distance from the row (only asked for when a product with a table is not finite)."""
+
+    def __init__(self, p, e, i0, i1, js, je):
+        self._args = (p, e, i0, i1, js, je)
+        self._visible = None
+
+    def __call__(self):
+        if self._visible is None:
+            p, e, i0, i1, js, je = self._args
+            k = e.k[js:je]
+            tile = _scores(p, e, i0, i1, js, je, _blas_ready(k, p.acc_dtype))[0] != -np.inf
+            self._visible = np.zeros((i1 - i0, i1 - i0 + je - js - 1), dtype=bool)
+            _skew(self._visible)[...] = tile
+        return self._visible
+
+    def transposed(self):
+        return self().T
 
 
 def _skew(g):
