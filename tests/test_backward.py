@@ -460,3 +460,101 @@ def test_nan_at_unseen_relative_table_places_reaches_no_gradient(small_tiles):
         assert np.isfinite(got).all(), name
         np.testing.assert_allclose(got, ref[name], rtol=0, atol=1e-12, err_msg=name)
     assert not g.drel_k[rk + 1:].any()
+
+
+def _wrong_lse(how, q, k, v, o):
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **o)
+    if how == "plus 5":
+        return out, lse + 5
+    if how == "minus 50":
+        return out, lse - 50
+    if how == "-inf where keys are seen":
+        lse = lse.copy()
+        lse[0, 0, 4] = -np.inf
+        return out, lse
+    if how == "+inf":
+        lse = lse.copy()
+        lse[1, 2, 0] = np.inf
+        return out, lse
+    # the lse of a call with other options: causal sees fewer keys
+    return cuonline.attention(q, k, v, return_lse=True, causal=True, **o)
+
+
+@pytest.mark.parametrize("how", ["plus 5", "minus 50", "-inf where keys are seen", "+inf",
+                                 "causal lse"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_lse_of_other_inputs_is_refused(small_tiles, how, dtype):
+    """Issue 22, item 6: each row's sum of P = exp(s - lse) must be 1 (0 for a row without
+    keys) within rounding; before, every one of these returned finite, wrong gradients."""
+    q, k, v, dout, o = make(22, ("bias", "rel_qk"))
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    out, lse = _wrong_lse(how, q, k, v, o)
+    with pytest.raises(ValueError, match=r"`lse` must be the one attention returned .* row \("):
+        cuonline.attention_backward(dout, q, k, v, out, lse, **o)
+
+
+def test_the_lse_message_names_the_row_and_its_sum(small_tiles):
+    q, k, v, dout, o = make(23, ())
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    lse = lse.copy()
+    lse[1, 0, 7] += 5
+    with pytest.raises(ValueError, match=r"row \(1, 0, 7\) sums to 0\.0067\d* .* by about 5"):
+        cuonline.attention_backward(dout, q, k, v, out, lse)
+
+
+def _cancelling(dtype, sigma, seed=24):
+    """Large products cancelled by a bias: logits of order 1 from terms of order sigma**2."""
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((1, 40, 64)) * sigma).astype(dtype)
+    k = (rng.standard_normal((1, 300, 64)) * sigma).astype(dtype)
+    v = rng.standard_normal((1, 300, 8)).astype(dtype)
+    bias = -(q[0].astype(np.float64) @ k[0].T.astype(np.float64)) / 8
+    return q, k, v, (bias + rng.standard_normal(bias.shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ["cancelling f32", "cancelling f16", "large f32",
+                                  "large bf16", "softcap", "every option", "extreme bias"])
+def test_the_lse_check_never_fires_on_genuine_inputs(case):
+    """Large logits, products cancelled by a bias (another tile shape in the backward rounds
+    them another way), 16-bit inputs, every option, logits near float32's range."""
+    rng = np.random.default_rng(25)
+    o = {}
+    if case.startswith("cancelling"):
+        dtype = np.float32 if case.endswith("f32") else np.float16
+        q, k, v, o["bias"] = _cancelling(dtype, 300.0 if dtype == np.float32 else 8.0)
+    elif case.startswith("large"):
+        dtype = np.float32 if case.endswith("f32") else BFLOAT16
+        if dtype is None:
+            pytest.skip("ml_dtypes is not installed")
+        q, k, v = (rng.standard_normal((2, 70, 32)) * 40).astype(dtype), \
+            (rng.standard_normal((2, 600, 32)) * 40).astype(dtype), \
+            rng.standard_normal((2, 600, 8)).astype(dtype)
+    elif case == "softcap":
+        q, k, v, o["bias"] = _cancelling(np.float32, 30.0)
+        o["softcap"], o["softcap_bias"] = 20.0, True
+    elif case == "every option":
+        q, k, v, _, o = make(26, ("softcap", "rel_qk", "rel_bias", "block_bias", "offsets",
+                                  "window", "alibi"), lq=70, lk=600, dtype=np.float32)
+        q, k, v = (x.astype(np.float32) * 6 for x in (q, k, v))
+    else:
+        q, k, v = (rng.standard_normal((1, 30, 16)).astype(np.float32) for _ in range(3))
+        o["bias"] = np.full((30, 30), 3e38, np.float32) * np.sign(rng.standard_normal((30, 30)))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **o)
+    dout = np.ones_like(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cuonline.attention_backward(dout, q, k, v, out, lse, **o)
+
+
+def test_part_of_the_keys_with_the_global_lse(small_tiles):
+    """Inside partial_keys (a Dask chunk pair), row sums below 1 are right; above is not."""
+    from cuonline import _lse_check
+
+    q, k, v, dout, o = make(27, ())
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    with _lse_check.partial_keys():
+        cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse)
+        with pytest.raises(ValueError, match="`lse`"):
+            cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse - 50)
+    with pytest.raises(ValueError, match="`lse`"):
+        cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse)

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from .. import _validate
+from .. import _lse_check, _validate
 from .._semantics import visible_key_range
 from .merge import merge_states
 
@@ -435,7 +435,8 @@ def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
         lengths = xp.asarray(lengths)
         arrays["kv_lengths"] = xp.where(lengths < 0, lengths, xp.maximum(lengths - j0, 0))
     positional = [arrays.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
-    return chunk_backward(*positional, **arrays, **options)
+    with _lse_check.partial_keys():            # the global lse, this chunk's keys
+        return chunk_backward(*positional, **arrays, **options)
 
 
 def _sum_tree(dsk, name, where, parts, field, acc_dtype, Task, TaskRef):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _semantics
+from .. import _lse_check, _semantics
 from .._gradients import Gradients
 from .numpy import _blas_ready, _nonfinite_values, _run, _ScoreTerms, workers
 
@@ -49,8 +49,12 @@ def attention_backward(bp):
                for name, t in targets.items()}
     n_workers = workers() if p.workers is None else p.workers
     tasks = _plan(p, targets)
-    _run(tasks, lambda task: [_one_batch_element(bp, b, buffers, *task[1:]) for b in task[0]],
-         n_workers)
+    # each row's sum of P and, for rows given lse = -inf, whether the row sees a key: written
+    # by the one task that owns the row's dQ (disjoint rows), checked once all are done
+    sums = _RowSums(p)
+    _run(tasks, lambda task: [_one_batch_element(bp, b, buffers, sums, *task[1:])
+                              for b in task[0]], n_workers)
+    sums.check(bp)
     # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
     buffers["q"] *= acc.type(p.scale)
     grads = {name: targets[name].finish(buffers[name]) for name in targets}
@@ -146,6 +150,7 @@ class _Element:
             # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
             self.delta = np.einsum("ij,ij->i", self.do, _blas_ready(bp.out[b], acc))
         lse = np.array(bp.lse[b], dtype=acc)
+        self.dead = lse == -np.inf
         # a row that sees no key (lse = -inf) gets P = exp(s - inf) = 0 everywhere, never
         # exp(-inf - (-inf)) = NaN
         lse[lse == -np.inf] = np.inf
@@ -163,7 +168,27 @@ class _Element:
         return terms
 
 
-def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=None):
+class _RowSums:
+    """Each row's sum of ``P = exp(s - lse)`` over its keys, to tell an ``lse`` that belongs to
+    other inputs (see :mod:`cuonline._lse_check`)."""
+
+    def __init__(self, p):
+        self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
+        self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
+
+    def check(self, bp):
+        p = bp.forward
+        lengths = None if p.kv_lengths is None else np.asarray(p.kv_lengths)
+        n_keys = p.lk if lengths is None else lengths[..., None]
+        terms = p.q.shape[-1] + (0 if p.rel_q is None else p.rel_q.shape[-1])
+        products = _lse_check.product_bound(np, p.q, p.k, p.scale, kv_lengths=lengths,
+                                            rel_q=p.rel_q, rel_k=p.rel_k)
+        _lse_check.check_row_sums(np, self.sums, np.broadcast_to(bp.lse, self.sums.shape),
+                                  acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
+                                  products=products, sees_keys=self.sees)
+
+
+def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None):
     """Add batch element ``b``'s gradients into ``buffers`` (the padded gradient arrays):
     ``part`` "kv" (dK, dV), "q" (dQ and the bias-like terms) or "all", over the key block
     starting at ``key_block`` and the query block starting at ``query_block`` (None: all)."""
@@ -193,6 +218,10 @@ def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=N
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
             seen = _Visibility(p, e, i0, i1, js, je, kt)
             prob, ds, ds_content = _tile(p, e, i0, i1, js, je, kt, vt, seen)
+            if q_part:                         # this task owns the rows' dQ: their sums too
+                sums.sums[b][i0:i1] += prob.sum(axis=1)
+                if e.dead[i0:i1].any():
+                    sums.sees[b][i0:i1] |= seen().any(axis=1)
             if kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
                 dv[js:je] += _product(prob.T, e.do[i0:i1], seen.transposed)
