@@ -109,7 +109,9 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None):
         return xp.sqrt(xp.einsum("...ij,...ij->...i", x, x, dtype=xp.float64))
 
     def largest(x):                                     # NaN left out; no rows: 0
-        return xp.fmax.reduce(x, axis=-1, initial=0.0)
+        if x.shape[-1] == 0:
+            return xp.zeros(x.shape[:-1])
+        return xp.where(xp.isnan(x), 0.0, x).max(axis=-1)
 
     keys = norms(k)
     if kv_lengths is not None:

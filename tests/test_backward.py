@@ -558,3 +558,37 @@ def test_part_of_the_keys_with_the_global_lse(small_tiles):
             cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse - 50)
     with pytest.raises(ValueError, match="`lse`"):
         cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse)
+
+
+def test_the_row_sum_rule_itself():
+    """cuonline._lse_check, the rule every engine's backward applies (also the CUDA one)."""
+    from cuonline import _lse_check
+
+    def check(sums, lse, **kw):
+        kw = dict(dict(acc_dtype=np.float32, n_keys=100, logit_terms=8), **kw)
+        _lse_check.check_row_sums(np, np.array(sums), np.array(lse, np.float32), **kw)
+
+    tol = float(_lse_check.row_sum_tolerance(np, np.float32, 100, np.float32(2.0), 8))
+    assert tol == pytest.approx(np.finfo(np.float32).eps * (100 + 12 * (2 + np.log(101) + 1)))
+    assert _lse_check.row_sum_tolerance(np, np.float64, 100, 2.0, 8) < tol
+    assert _lse_check.row_sum_tolerance(np, np.float32, 100, 2.0, 8, np.nan) == np.inf
+    check([1.0, np.exp(tol / 2), 0.0, np.nan], [2.0, 2.0, -np.inf, np.nan])
+    with pytest.raises(ValueError, match=r"row \(1,\) sums to"):
+        check([1.0, np.exp(2 * tol)], [2.0, 2.0])
+    with pytest.raises(ValueError, match=r"-inf at row \(1,\), which sees keys"):
+        check([1.0, 0.0], [2.0, -np.inf], sees_keys=np.array([True, True]))
+    with pytest.raises(ValueError, match=r"row \(0,\) sums to 0 .*more than the dtype's range"):
+        check([0.0], [np.inf])
+    check([0.3, 0.0], [2.0, 2.0], all_keys=False)               # part of the keys: below 1
+    with pytest.raises(ValueError, match="`lse`"):
+        check([1.5], [2.0], all_keys=False)
+    assert not _lse_check.keys_are_partial()
+    with _lse_check.partial_keys():
+        assert _lse_check.keys_are_partial()
+        check([0.3], [2.0])
+    # R: scale |q_i| max_j |k_j| over keys below kv_lengths, NaN left out
+    q = np.array([[[3.0, 4.0], [0.0, 1.0]]])
+    k = np.array([[[1.0, 0.0], [0.0, 2.0], [np.nan, 9.0]]])
+    r = _lse_check.product_bound(np, q, k, 0.5, kv_lengths=np.array([2]))
+    np.testing.assert_allclose(r, [[0.5 * 5 * 2, 0.5 * 1 * 2]])
+    np.testing.assert_allclose(_lse_check.product_bound(np, q, k, 0.5), r)   # NaN row left out
