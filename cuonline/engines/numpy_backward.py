@@ -176,6 +176,7 @@ class _RowSums:
     def __init__(self, p):
         self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
         self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
+        self.ones = np.ones(BLOCK_K, dtype=p.acc_dtype)
 
     def check(self, bp):
         p = bp.forward
@@ -221,7 +222,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             seen = _Visibility(pipeline, js, je, kt)
             prob, ds, ds_content = _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen)
             if q_part:                         # this task owns the rows' dQ: their sums too
-                sums.sums[b][i0:i1] += prob.sum(axis=1)
+                sums.sums[b][i0:i1] += prob @ sums.ones[:je - js]   # BLAS: 4x np.sum's speed
                 if e.dead[i0:i1].any():
                     sums.sees[b][i0:i1] |= seen().any(axis=1)
             if kv_part:
