@@ -14,9 +14,12 @@ clamped diagonal), the content part gives ``dQ += dS K`` and ``dK += dS^T Q`` (t
 
 Work: the batch elements are cut into groups that share no gradient slot (an input broadcast
 over batch elements joins them: a bias shared by every head makes one group of all heads), and
-each group is one task on the engines' thread pool (:mod:`.cpu_runtime`). A task walks its batch elements in C
-order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries that may see them in
-tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients. No gradient slot is
+each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A task walks its
+batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
+that may see them in tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients.
+Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
+``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
+(:mod:`cuonline._lse_check`). No gradient slot is
 written by two tasks, and within a task the order of every sum is fixed, so the results are
 bitwise identical for every ``workers`` and every run. Extra memory is a few tiles and one copy
 of a batch element's queries and output gradient per task: never an ``Lq x Lk`` array.
@@ -321,7 +324,7 @@ def _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je):
     elif p.bias is not None:
         # bias[I, J] is added to every score of block (I, J): its gradient is the block's sum
         r, c = p.bias_block
-        rows = np.unique(np.r_[0, np.arange(-i0 % r, ds.shape[0], r)])  # tile rows starting a block
+        rows = np.unique(np.r_[0, np.arange(-i0 % r, ds.shape[0], r)])  # rows starting a block
         cols = np.unique(np.r_[0, np.arange(-js % c, je - js, c)])
         g = np.add.reduceat(np.add.reduceat(ds, rows, axis=0), cols, axis=1)
         _add_tail(buffers["bias"], slots["bias"], g, (i0 // r, js // c))
