@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from .. import _options, _validate
+from .. import _lse_check, _options, _validate
 from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
 from .softmax import stats as softmax_stats
@@ -468,7 +468,8 @@ def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
         lengths = xp.asarray(lengths)
         arrays["kv_lengths"] = xp.where(lengths < 0, lengths, xp.maximum(lengths - j0, 0))
     positional = [arrays.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
-    return chunk_backward(*positional, **arrays, **options)
+    with _lse_check.partial_keys():            # the global lse, this chunk's keys
+        return chunk_backward(*positional, **arrays, **options)
 
 
 def _take_gradient(gradients, field, acc_dtype):
