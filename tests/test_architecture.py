@@ -111,19 +111,6 @@ def test_kernels_layer_imports_neither_engines_nor_tools():
 # metadata array of a Dask array (no public spelling exists).
 FOREIGN_INTERFACE = {"_asdict", "_replace", "_fields", "_make", "_meta"}
 
-# Uses of another module's private names that predate the rule, each to be removed by the
-# owner of its file (and then from this list: test_the_allowlist_has_no_stale_entry says so).
-ALLOWED_PRIVATE_USES = {
-    # engines/dask.py reads validation's backend rule: give it a public name in _validate.py
-    ("cuonline/engines/dask.py", "_validate._check_backend"),
-    # engines/softmax.py: merge's errstate helper, and the NumPy engine's alias of
-    # cpu_runtime.tile_kernel (import cpu_runtime.tile_kernel instead)
-    ("cuonline/engines/softmax.py", "from cuonline.engines.merge import _quiet"),
-    ("cuonline/engines/softmax.py", "from cuonline.engines.numpy import _tile_kernel"),
-    # toolchain/sass.py reads nvrtc's backend: give it a public name in toolchain/nvrtc.py
-    ("cuonline/toolchain/sass.py", "nvrtc._backend"),
-}
-
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -179,14 +166,8 @@ def _package_private_uses():
 
 def test_no_module_uses_another_modules_private_names():
     found = _package_private_uses()
-    bad = sorted(f"{path}:{lines[0]}: {use}" for (path, use), lines in found.items()
-                 if (path, use) not in ALLOWED_PRIVATE_USES)
+    bad = sorted(f"{path}:{lines[0]}: {use}" for (path, use), lines in found.items())
     assert not bad, "give the shared piece a public name:\n" + "\n".join(bad)
-
-
-def test_the_allowlist_has_no_stale_entry():
-    stale = ALLOWED_PRIVATE_USES - set(_package_private_uses())
-    assert not stale, f"fixed: remove from ALLOWED_PRIVATE_USES: {sorted(stale)}"
 
 
 def test_the_private_name_finder_finds_what_the_numpy_backward_did():

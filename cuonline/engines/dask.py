@@ -306,7 +306,7 @@ def _stand_in_backend(arrays, backend):
                                       for n, x in arrays.items()})
     if xp is np:
         return backend
-    _validate._check_backend(backend, xp)
+    _validate.check_backend(backend, xp)
     return "auto"
 
 

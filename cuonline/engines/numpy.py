@@ -163,6 +163,3 @@ def _softmax_tile_ufuncs(s, m, l, o):
     o *= alpha[:, None]
     return m_new
 
-
-# softmax.py's name for cpu_runtime.tile_kernel until it imports it from there
-_tile_kernel = tile_kernel

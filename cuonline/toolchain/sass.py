@@ -62,7 +62,7 @@ def compile_cubin(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") 
     CuPy's ``getCUBIN`` returns the image one byte short (CuPy 14, read as a C string); the
     ELF header says how long the image is, and the missing tail is zero-filled here.
     """
-    ok, log, cubin = nvrtc._backend().compile(text, name, nvrtc.compile_options(arch))
+    ok, log, cubin = nvrtc.compiler().compile(text, name, nvrtc.compile_options(arch))
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
     cubin = bytes(cubin)
