@@ -6,11 +6,12 @@ tiled NumPy engine; CuPy arrays on CUDA kernels compiled at run time. Importing 
 imports no CuPy and compiles nothing.
 """
 
-from ._api import (attention, attention_backward, attention_vjp, log_softmax, logsumexp, merge,
-                   softmax)
+from ._api import (attention, attention_backward, attention_stats, attention_vjp, log_softmax,
+                   logsumexp, merge, softmax)
 from ._gradients import Gradients
+from ._stats import AttentionStats
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "Gradients", "merge", "softmax",
-           "log_softmax", "logsumexp", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp", "Gradients",
+           "AttentionStats", "merge", "softmax", "log_softmax", "logsumexp", "__version__"]
 
 __version__ = "0.1.0"

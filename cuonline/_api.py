@@ -7,12 +7,13 @@ from typing import Any, Callable, TypeVar
 
 from . import _options, _validate
 from ._gradients import Gradients
+from ._stats import AttentionStats
 from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
 from .engines import merge as _merge
 from .engines import softmax as _softmax
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "softmax",
-           "log_softmax", "logsumexp"]
+__all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp", "merge",
+           "softmax", "log_softmax", "logsumexp"]
 
 # backend name -> module under cuonline.engines implementing ``attention(problem)``, and the
 # one implementing ``attention_backward(backward_problem)``
@@ -211,6 +212,16 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _documents_score_options(function: F) -> F:
+    """Write the score options of the table (every option but the engine's) into
+    ``function``'s docstring, where its Parameters section says ``SCORE_OPTIONS``."""
+    if function.__doc__:           # None under python -OO
+        score = [n for n in _options.names() if _options.option_kind(n) != "engine"]
+        function.__doc__ = function.__doc__.replace("    SCORE_OPTIONS\n",
+                                                    f"    {', '.join(score)}\n")
+    return function
+
+
 def _documents_options(function: F) -> F:
     """Write the option names of the table into ``function``'s docstring, where its Parameters
     section says ``OPTIONS`` (numpydoc wants the names of a shared entry on one line)."""
@@ -389,6 +400,131 @@ def attention_vjp(
         return attention_backward(dout, q, k, v, out, lse, **options)
 
     return out, vjp
+
+
+@_documents_score_options
+def attention_stats(
+    q: Array, k: Array, *, scale: float | None = None, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
+    mask: Array | None = None, kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None, softcap: float | None = None, softcap_bias: bool = False,
+    q_offset: int | None = None, k_offset: int = 0,
+    bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
+    rel_q: Array | None = None, rel_k: Array | None = None,
+    entropy: bool = True, received: bool = False, query_weights: Array | None = None,
+    top_k: int = 0, rows: Array | None = None,
+    backend: str = "auto", workers: int | None = None,
+) -> AttentionStats:
+    r"""Statistics of the attention weights ``P = softmax(scores)``, without the ``Lq x Lk``
+    matrix: what each query looks at, and what each key receives.
+
+    With the logits ``s`` of :func:`attention` (every term, in the documented order, the
+    positions included), ``p_ij = exp(s_ij - lse_i)`` over the keys query ``i`` sees; keys
+    it cannot see weigh 0. `v` is taken nowhere: ``P`` depends on the scores only.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq, D)
+        Queries, as :func:`attention` takes them.
+    k : array, shape (..., Lk, D)
+        Keys, same dtype as `q`. The leading dimensions of `q` and `k` broadcast together into
+        the batch shape ``S``.
+    SCORE_OPTIONS
+        As :func:`attention`: the statistics are those of the ``P`` that attention applies
+        with these options.
+    entropy : bool, optional
+        Compute the entropy of each row of ``P``. Default True.
+    received : bool, optional
+        Compute the attention each key receives, ``sum_i w_i p_ij``. Default False.
+    query_weights : array, optional
+        Real array broadcastable to ``S + (Lq,)``: the weights ``w_i`` of `received` (ones by
+        default), e.g. 1 on a gene's promoter bins and 0 elsewhere. Only with
+        ``received=True``; finite.
+    top_k : int, optional
+        The number of keys with the largest weights to return per query. Default 0 (none).
+        May exceed the keys a query sees: the rest are -1 with weight 0.
+    rows : 1-D int array, optional
+        Query indices (negative ones count from the end) whose full rows of ``P`` are
+        returned, exactly; memory ``S + (len(rows), Lk)``.
+    backend : {"auto", "numpy"}, optional
+        The statistics run on the NumPy engine. The CUDA statistics kernels are not yet
+        available: CuPy inputs, ``backend="cupy"`` and ``backend="emulate"`` raise a
+        ValueError (convert with ``cupy.asnumpy``).
+    workers : int, optional
+        Threads, as in :func:`attention`. Results are the same for every `workers`.
+
+    Returns
+    -------
+    AttentionStats
+        A frozen dataclass with ``lse``, ``entropy``, ``max_weight``, ``argmax`` (S + (Lq,)),
+        ``received`` (S + (Lk,)), ``top_indices``, ``top_weights`` (S + (Lq, top_k)) and
+        ``weights`` (S + (len(rows), Lk)); a field not asked for is None. Statistics in the
+        accumulation dtype (float64 for float64 inputs, float32 otherwise), indices int64.
+        A query that sees no key has ``lse = -inf``, entropy 0, ``max_weight`` 0, ``argmax``
+        -1, top indices -1 with weights 0 and a zero row; no NaN and no warning.
+
+    Raises
+    ------
+    TypeError
+        As :func:`attention`; also `entropy` or `received` not a bool, a `top_k` that is not an
+        int, a non-real `query_weights`, or a non-integer `rows`.
+    ValueError
+        As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
+        ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
+        1-D or hold an index outside ``[-Lq, Lq)``, and CuPy inputs or the ``"cupy"`` and
+        ``"emulate"`` backends (no CUDA statistics kernels yet).
+
+    See Also
+    --------
+    attention : the output these weights produce.
+
+    Notes
+    -----
+    One tiled pass over the keys keeps, per query, the online-softmax state of
+    :func:`attention`, :math:`m` and :math:`l = \sum_j e^{s_j - m}`, and beside it
+    :math:`u = \sum_j e^{s_j - m} (s_j - m)`, rescaled with :math:`l` when :math:`m` grows
+    (:math:`u' = \alpha (u + (m - m') l)`, :math:`\alpha = e^{m - m'}`), the first key of the
+    largest score, and the ``top_k`` best (score, key) pairs. Then
+
+    .. math::
+
+        \mathrm{lse} = m + \log l, \quad H = \log l - u / l, \quad
+        \max_j p_j = 1 / l.
+
+    ``received`` is a second, key-owned pass: each block of keys adds
+    :math:`w^\top P` of the query blocks in a fixed order, with :math:`P` recomputed from
+    ``lse`` (deterministic for any `workers`); `rows` recompute their rows of :math:`P`
+    from ``lse``. Memory is a few tiles per thread plus the results.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 300, 16)), rng.standard_normal((2, 400, 16))
+    >>> st = cuonline.attention_stats(q, k, causal=True, received=True, top_k=3, rows=[0, 5])
+    >>> st.lse.shape, st.received.shape, st.top_indices.shape, st.weights.shape
+    ((2, 300), (2, 400), (2, 300, 3), (2, 2, 400))
+
+    Each statistic is one of the dense ``P``:
+
+    >>> s = q @ k.transpose(0, 2, 1) / 4.0
+    >>> s[:, np.arange(400)[None, :] > np.arange(300)[:, None] + 100] = -np.inf
+    >>> P = np.exp(s - st.lse[..., None])
+    >>> bool(np.allclose(P.sum(axis=1), st.received))
+    True
+    >>> bool(np.array_equal(P.argmax(axis=-1), st.argmax))
+    True
+    >>> bool(np.allclose(P[:, [0, 5]], st.weights))
+    True
+    """
+    if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
+        return _dask.attention_stats(attention_stats, **locals())
+    options = _options.from_call({**locals(), "precision": "highest"})
+    sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
+                                            query_weights=query_weights, top_k=top_k,
+                                            rows=rows)
+    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    return AttentionStats(**engine.attention_stats(sp))
 
 
 def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:

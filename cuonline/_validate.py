@@ -22,8 +22,8 @@ from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
-    "BACKENDS", "Problem", "SoftmaxProblem", "array_namespace", "check_backend",
-    "validate_attention", "validate_axis_input", "validate_merge",
+    "BACKENDS", "Problem", "SoftmaxProblem", "StatsProblem", "array_namespace", "check_backend",
+    "validate_attention", "validate_attention_stats", "validate_axis_input", "validate_merge",
 ]
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
@@ -838,3 +838,89 @@ def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None
                                    tail=len(array_layout(name)))
     return BackwardProblem(forward=p, dout=_native(xp, dout), out=_native(xp, out),
                            lse=_native(xp, lse), targets=targets)
+
+
+# --------------------------------------------------------------------------------------------
+# attention_stats (issue 21)
+
+
+@dataclass(frozen=True)
+class StatsProblem:
+    """One :func:`cuonline.attention_stats` call, checked and normalised.
+
+    ``scores`` is the attention :class:`Problem` of the call's score options, built by
+    :func:`validate_attention` with a zero-width ``v`` (the statistics read no values), so the
+    scores follow attention's rules exactly. The statistics' own arguments are checked here.
+    """
+
+    scores: Problem
+    entropy: bool
+    received: bool
+    query_weights: Any         # batch_shape + (lq,), acc_dtype, or None (ones)
+    top_k: int                 # >= 0
+    rows: Any                  # 1-D int64 query indices in [0, lq), or None
+
+
+def validate_attention_stats(q, k, options: Options, *, entropy=True, received=False,
+                             query_weights=None, top_k=0, rows=None) -> StatsProblem:
+    """Check the arguments of :func:`cuonline.attention_stats` and build its
+    :class:`StatsProblem`.
+
+    The score options are checked by :func:`validate_attention` (with ``v`` a zero-width view
+    of `k`); `entropy` and `received` are bools, `query_weights` a real array broadcastable
+    to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
+    integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
+    """
+    xp = array_namespace(q=q, k=k, query_weights=query_weights, rows=rows, **options.arrays())
+    k_array = _as_array(xp, k, "k")
+    # the statistics depend on the scores only: a zero-width v passes attention's checks of
+    # v whatever k is (k's own errors come first), and costs nothing
+    v = k_array[..., :0] if k_array.ndim >= 2 else k_array
+    q_array = _as_array(xp, q, "q")
+    if (q_array.ndim >= 2 and k_array.ndim >= 2 and _is_float_dtype(q_array.dtype)
+            and _is_float_dtype(k_array.dtype)
+            and _native_dtype(q_array.dtype) != _native_dtype(k_array.dtype)):
+        raise TypeError(f"`q` and `k` must share one dtype, got {_native_dtype(q_array.dtype)} "
+                        f"and {_native_dtype(k_array.dtype)}; convert them first, e.g. "
+                        f"k.astype(q.dtype)")
+    p = validate_attention(q_array, k_array, v, options, return_lse=True)
+    if p.backend in _CUDA_BACKENDS:
+        raise ValueError(
+            f"attention_stats runs on the NumPy engine only: the CUDA statistics kernels are "
+            f"not yet available (backend={p.backend!r}); pass NumPy arrays (cupy.asnumpy) "
+            f"with backend='auto' or 'numpy'"
+        )
+    entropy = _check_bool(entropy, "entropy")
+    received = _check_bool(received, "received")
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"`top_k` must be an int >= 0, got {type(top_k).__name__} {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0, got {int(top_k)}")
+    if query_weights is not None:
+        if not received:
+            raise ValueError("`query_weights` weighs the queries in the attention `received` "
+                             "by each key, but received=False; pass received=True")
+        query_weights = _as_array(xp, query_weights, "query_weights")
+        if np.dtype(query_weights.dtype).kind not in "biuf":
+            raise TypeError(f"`query_weights` must be a real array (float, int or bool), got "
+                            f"dtype {query_weights.dtype}")
+        query_weights = _broadcast_to(xp, query_weights, p.batch_shape + (p.lq,),
+                                      "query_weights", "S + (Lq,)")
+        query_weights = astype_view(xp, query_weights, p.acc_dtype)
+        if query_weights.size and not bool(xp.isfinite(query_weights).all()):
+            raise ValueError("`query_weights` must be finite, got NaN or infinity")
+    if rows is not None:
+        rows = _as_array(xp, rows, "rows")
+        if np.dtype(rows.dtype).kind not in "iu":
+            raise TypeError(f"`rows` must be an integer array of query indices, got dtype "
+                            f"{rows.dtype}")
+        if rows.ndim != 1:
+            raise ValueError(f"`rows` must be 1-D (query indices), got shape "
+                             f"{tuple(rows.shape)}")
+        if rows.size and (int(rows.min()) < -p.lq or int(rows.max()) >= p.lq):
+            bad = int(rows.min()) if int(rows.min()) < -p.lq else int(rows.max())
+            raise ValueError(f"`rows` must hold query indices in [-Lq, Lq) = [{-p.lq}, {p.lq}), "
+                             f"got {bad}")
+        rows = xp.asarray(rows, dtype=np.int64) % max(p.lq, 1)
+    return StatsProblem(scores=p, entropy=entropy, received=received,
+                        query_weights=query_weights, top_k=int(top_k), rows=rows)
