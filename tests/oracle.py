@@ -241,3 +241,42 @@ def _sum_to(g, shape):
     g = g.sum(axis=tuple(range(lead))) if lead else g
     axes = tuple(a for a, n in enumerate(shape) if n == 1 and g.shape[a] != 1)
     return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+# --------------------------------------------------------------------------------------------
+# statistics of the attention weights (issue 21): dense, from the weights themselves
+
+
+def reference_attention_stats(q, k, *, query_weights=None, top_k=0, rows=None, **options):
+    """The statistics of :func:`cuonline.attention_stats` in float64, as a dict of its fields
+    (``received``, ``top_*`` and ``weights`` always given; ``rows`` as passed).
+
+    ``P`` is the dense weight matrix of :func:`reference_attention` itself: with ``v`` the
+    ``Lk x Lk`` identity, its output is ``P`` (the scores are not written twice). Then each
+    statistic from its definition: ``H_i = -sum_j p_ij log p_ij`` over ``p_ij > 0``, the
+    first largest weight, the ``top_k`` weights by a stable sort (lower key first on ties),
+    ``sum_i w_i p_ij``. A weight of exactly 0 counts as a key not seen (index -1): the dense
+    ``P`` cannot tell an invisible key from an underflowed one, so tests keep logits moderate.
+    """
+    lk = np.shape(k)[-2]
+    eye = np.eye(lk)
+    P, lse = reference_attention(q, k, eye, **options)        # (S, Lq, Lk), (S, Lq)
+    seen = P > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.where(seen, P * np.log(np.where(seen, P, 1)), 0).sum(axis=-1)
+    max_weight = P.max(axis=-1) if lk else np.zeros(P.shape[:-1])
+    argmax = np.where(seen.any(axis=-1), P.argmax(axis=-1) if lk else 0, -1)
+    order = np.argsort(-P, axis=-1, kind="stable")[..., :top_k]
+    top_weights = np.take_along_axis(P, order, axis=-1)
+    top_indices = np.where(top_weights > 0, order, -1)
+    if top_k > lk:
+        pad = P.shape[:-1] + (top_k - lk,)
+        top_indices = np.concatenate([top_indices, np.full(pad, -1)], axis=-1)
+        top_weights = np.concatenate([top_weights, np.zeros(pad)], axis=-1)
+    w = np.ones(P.shape[:-1]) if query_weights is None else np.broadcast_to(
+        _f64(query_weights), P.shape[:-1])
+    received = np.einsum("...i,...ij->...j", w, P)
+    weights = None if rows is None else P[..., np.asarray(rows, dtype=np.int64), :]
+    return dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
+                received=received, top_indices=top_indices, top_weights=top_weights,
+                weights=weights)

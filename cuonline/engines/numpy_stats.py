@@ -122,15 +122,15 @@ class RowState:
         """``(lse, entropy, max_weight, argmax, top_indices, top_weights)``; entropy None
         without it, the top pair None with ``k = 0``. A row that saw no key: lse -inf,
         entropy 0, max weight 0, argmax -1, top keys -1 with weight 0."""
-        seen = self.l > 0
+        none = self.l == 0                          # not NaN: a NaN row stays NaN
         with np.errstate(divide="ignore", invalid="ignore"):
             log_l = np.log(self.l)
             lse = self.m + log_l                    # -inf + log 0 = -inf where none seen
             entropy = None
             if self.u is not None:
-                entropy = np.where(seen, log_l - self.u / self.l, 0).astype(self.l.dtype)
-            max_weight = np.where(seen, 1 / self.l, 0).astype(self.l.dtype)
-        argmax = np.where(seen | np.isnan(self.l), self.arg, -1)
+                entropy = np.where(none, 0, log_l - self.u / self.l).astype(self.l.dtype)
+            max_weight = np.where(none, 0, 1 / self.l).astype(self.l.dtype)
+        argmax = np.where(none, -1, self.arg)
         top_i = top_w = None
         if self.k:
             top_i = np.where(self.top_s == -np.inf, -1, self.top_i)
