@@ -19,6 +19,7 @@ results.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -27,8 +28,8 @@ from .. import _semantics
 from .cpu_runtime import run_tasks, workers
 from .numpy_scores import ScorePipeline
 
-__all__ = ["RowState", "attention_stats", "probabilities", "row_states", "received",
-           "weights_of_rows", "BLOCK_Q", "BLOCK_K"]
+__all__ = ["RowState", "attention_stats", "finished", "probabilities", "row_state", "row_states",
+           "received", "weights_of_rows", "BLOCK_Q", "BLOCK_K"]
 
 # Tiles of 256 queries x 512 keys, as the forward's (numpy.py): the score tile stays in L2.
 BLOCK_Q = 256
@@ -95,7 +96,7 @@ class RowState:
                 # e^(s - m') (s - m') = alpha e^(s - m) ((s - m) + (m - m'))
                 shift = np.where(self.l > 0, self.m - m_safe, 0)
                 self.u = alpha * (self.u + shift * self.l)
-        self.l *= alpha
+        self.l = self.l * alpha                    # new arrays: a merged state stays intact
         self.m = m_new
 
     def merge(self, later):
@@ -109,14 +110,31 @@ class RowState:
                 np.concatenate([self.top_s, later.top_s], axis=1),
                 np.concatenate([self.top_i, later.top_i], axis=1), self.k,
                 bool(np.isnan(later.m).any() or np.isnan(self.m).any()))
-        l_later, u_later = later.l, later.u
+        saved = later.m, later.l, later.u
         later._rescale(m_new, m_safe)
         self._rescale(m_new, m_safe)
         self.l = self.l + later.l
         if self.u is not None:
             self.u = self.u + later.u
-        later.l, later.u = l_later, u_later   # left as it came (Dask may reuse it)
+        later.m, later.l, later.u = saved          # left as it came
         return self
+
+    def shifted(self, offset):
+        """This state with its key indices moved by ``offset`` (a chunk's first key); -1
+        stays -1."""
+        out = copy.copy(self)
+        out.arg = np.where(self.arg < 0, -1, self.arg + offset)
+        out.top_i = np.where(self.top_i < 0, -1, self.top_i + offset)
+        return out
+
+    @classmethod
+    def stack(cls, states):
+        """One state of the rows of ``states``, in order."""
+        out = copy.copy(states[0])
+        for name in ("m", "l", "u", "arg", "top_s", "top_i"):
+            if getattr(out, name) is not None:
+                setattr(out, name, np.concatenate([getattr(s, name) for s in states]))
+        return out
 
     def finish(self):
         """``(lse, entropy, max_weight, argmax, top_indices, top_weights)``; entropy None
@@ -295,40 +313,44 @@ def weights_of_rows(p, lse, rows, n_workers):
     return out
 
 
+def row_state(sp, n_workers=None):
+    """Pass 1 of the :class:`cuonline._validate.StatsProblem` ``sp``: the :class:`RowState`
+    of every query over every key, its rows in C order of ``S + (Lq,)``."""
+    p = sp.scores
+    n_workers = n_workers or (workers() if p.workers is None else p.workers)
+    plan = _plan(p)
+    tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in plan.items() for ja, jb in ranges]
+    states = run_tasks(tasks, lambda t: row_states(p, sp.top_k, sp.entropy, t[3], t[4],
+                                                   *t[:3]), n_workers)
+    merged = []
+    for key in plan:                          # C order of (b, i0): the rows' order
+        parts = [s for t, s in zip(tasks, states) if t[:3] == key]
+        for later in parts[1:]:               # in key order
+            parts[0].merge(later)
+        merged.append(parts[0])
+    if not merged:
+        return RowState(0, sp.top_k, p.acc_dtype, sp.entropy)
+    return RowState.stack(merged)
+
+
+def finished(state, shape):
+    """The row fields of :class:`cuonline.AttentionStats` from the :class:`RowState` of the
+    rows of ``shape`` (``S + (Lq,)``), as a dict."""
+    lse, entropy, max_weight, argmax, top_i, top_w = state.finish()
+    fields = dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
+                  top_indices=top_i, top_weights=top_w)
+    return {n: None if x is None else x.reshape(shape + x.shape[1:]) for n, x in fields.items()}
+
+
 def attention_stats(sp):
     """Run the :class:`cuonline._validate.StatsProblem` ``sp``; return the fields of
     :class:`cuonline.AttentionStats` as a dict."""
     p = sp.scores
     n_workers = workers() if p.workers is None else p.workers
-    acc = p.acc_dtype
-    shape = p.batch_shape + (p.lq,)
-    lse = np.full(shape, -np.inf, dtype=acc)
-    entropy = np.zeros(shape, dtype=acc) if sp.entropy else None
-    max_weight = np.zeros(shape, dtype=acc)
-    argmax = np.full(shape, -1, dtype=np.int64)
-    top_i = np.full(shape + (sp.top_k,), -1, dtype=np.int64) if sp.top_k else None
-    top_w = np.zeros(shape + (sp.top_k,), dtype=acc) if sp.top_k else None
-
-    plan = _plan(p)
-    tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in plan.items() for ja, jb in ranges]
-    states = run_tasks(tasks, lambda t: row_states(p, sp.top_k, sp.entropy, t[3], t[4],
-                                                   *t[:3]), n_workers)
-    for (b, i0, i1), ranges in plan.items():
-        parts = [s for t, s in zip(tasks, states) if t[:3] == (b, i0, i1)]
-        state = parts[0]
-        for later in parts[1:]:               # in key order
-            state.merge(later)
-        done = state.finish()
-        lse[b][i0:i1], max_weight[b][i0:i1], argmax[b][i0:i1] = done[0], done[2], done[3]
-        if entropy is not None:
-            entropy[b][i0:i1] = done[1]
-        if top_i is not None:
-            top_i[b][i0:i1], top_w[b][i0:i1] = done[4], done[5]
-
-    result = dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
-                  received=None, top_indices=top_i, top_weights=top_w, weights=None)
+    result = finished(row_state(sp, n_workers), p.batch_shape + (p.lq,))
+    result.update(received=None, weights=None)
     if sp.received:
-        result["received"] = received(p, lse, sp.query_weights, n_workers)
+        result["received"] = received(p, result["lse"], sp.query_weights, n_workers)
     if sp.rows is not None:
-        result["weights"] = weights_of_rows(p, lse, sp.rows, n_workers)
+        result["weights"] = weights_of_rows(p, result["lse"], sp.rows, n_workers)
     return result
