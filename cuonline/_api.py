@@ -518,7 +518,7 @@ def attention_stats(
     True
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
-        return _dask.attention_stats(attention_stats, **locals())
+        return _dask.attention_stats(AttentionStats, **locals())
     options = _options.from_call({**locals(), "precision": "highest"})
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
