@@ -22,24 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 import tracemalloc
 
 import numpy as np
+from bench_cpu import best_seconds
 
 import cuonline
-
-
-def best_seconds(fn, repeat):
-    """Best wall time of ``repeat`` runs after one warm-up."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def dense_stats(q, k):

@@ -26,20 +26,16 @@ import numpy as np
 
 from .. import _semantics
 from .cpu_runtime import run_tasks, workers
+from .numpy import BLOCK_K, BLOCK_Q, MAX_KEY_TILE
 from .numpy_scores import ScorePipeline
 
 __all__ = ["RowState", "attention_stats", "finished", "probabilities", "row_state", "row_states",
-           "received", "weights_of_rows", "BLOCK_Q", "BLOCK_K"]
-
-# Tiles of 256 queries x 512 keys, as the forward's (numpy.py): the score tile stays in L2.
-BLOCK_Q = 256
-BLOCK_K = 512
-# A block of few rows walks wider key tiles (at most BLOCK_Q * BLOCK_K scores): per-tile
-# Python costs tens of microseconds, a 512-key tile of one row a few.
-MAX_KEY_TILE = 16384
+           "received", "weights_of_rows"]
 
 
 def _key_tile(rows):
+    """Keys per tile for a block of ``rows`` query rows: the forward's tiles (measured there),
+    a multiple of BLOCK_K, at most BLOCK_Q * BLOCK_K scores, up to MAX_KEY_TILE keys."""
     wide = BLOCK_Q * BLOCK_K // max(rows, 1) // BLOCK_K * BLOCK_K
     return min(max(BLOCK_K, wide), MAX_KEY_TILE)
 
