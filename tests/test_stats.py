@@ -171,6 +171,18 @@ def test_received_is_deterministic_for_every_workers(rng):
             assert (a is None and b is None) or np.array_equal(a, b), name
 
 
+def test_without_entropy_the_rest_is_the_same(rng, tiles):
+    q, k = rng.standard_normal((2, 40, 4)), rng.standard_normal((2, 50, 4))
+    options = dict(causal=True, mask=rng.random((40, 50)) > 0.3, received=True, top_k=3)
+    full = cuonline.attention_stats(q, k, **options)
+    lean = cuonline.attention_stats(q, k, entropy=False, **options)
+    assert lean.entropy is None
+    for name in FIELDS:
+        if name != "entropy":
+            np.testing.assert_allclose(getattr(lean, name), getattr(full, name), rtol=1e-13,
+                                       err_msg=name)
+
+
 def test_received_without_weights_sums_every_query(rng):
     q, k = rng.standard_normal((30, 4)), rng.standard_normal((50, 4))
     st = cuonline.attention_stats(q, k, received=True, entropy=False)
