@@ -113,7 +113,8 @@ def main():
            'font-family="sans-serif">\n' + "\n".join(body) + "\n</svg>\n")
     Path(args.out).write_text(svg, encoding="utf-8")
     top = ef.top_indices[0, 0, 768]
-    print(f"wrote {args.out}; Enformer-style head 0, promoter bin 768: top keys {[int(j) for j in top]}")
+    print(f"wrote {args.out}; Enformer-style head 0, promoter bin 768: top keys "
+          f"{[int(j) for j in top]}")
 
 
 if __name__ == "__main__":

@@ -911,6 +911,8 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
             raise ValueError("`query_weights` must be finite, got NaN or infinity")
     if rows is not None:
         rows = _as_array(xp, rows, "rows")
+        if rows.size == 0 and rows.ndim == 1:
+            rows = rows.astype(np.int64)       # [] is float64 to NumPy: no index either way
         if np.dtype(rows.dtype).kind not in "iu":
             raise TypeError(f"`rows` must be an integer array of query indices, got dtype "
                             f"{rows.dtype}")

@@ -273,3 +273,27 @@ def test_bad_arrays_are_attentions_errors():
         cuonline.attention_stats(q, np.zeros((6, 3)))
     with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
         cuonline.attention_stats(q, q, v=q)
+
+
+@pytest.mark.parametrize("lq, lk, d", [(0, 5, 4), (5, 0, 4), (5, 6, 0), (0, 0, 3)])
+def test_empty_sizes(rng, lq, lk, d):
+    q, k = rng.standard_normal((2, lq, d)), rng.standard_normal((2, lk, d))
+    rows = [] if lq == 0 else [0, -1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st = cuonline.attention_stats(q, k, received=True, top_k=2, rows=rows)
+    assert st.received.shape == (2, lk) and st.weights.shape == (2, len(rows), lk)
+    local = np.array(rows, dtype=int) % max(lq, 1)
+    _compare(st, reference_attention_stats(q, k, top_k=2, rows=local))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_broadcast_batch_and_16_bit_inputs(rng, dtype):
+    ml_dtypes = pytest.importorskip("ml_dtypes") if dtype == "bfloat16" else None
+    dtype = ml_dtypes.bfloat16 if ml_dtypes else dtype
+    q = rng.standard_normal((2, 1, 30, 8)).astype(dtype)   # broadcast over 3 heads
+    k = rng.standard_normal((1, 3, 41, 8)).astype(dtype)   # broadcast over 2 batch elements
+    st = cuonline.attention_stats(q, k, causal=True, received=True, top_k=3, rows=[1, -1])
+    assert st.lse.shape == (2, 3, 30) and st.lse.dtype == np.float32
+    ref = reference_attention_stats(q, k, causal=True, top_k=3, rows=[1, 29])
+    _compare(st, ref, rtol=1e-5, atol=1e-5)
