@@ -4,8 +4,12 @@ visible keys, empty rows, ties, small tiles (merged key ranges), workers, memory
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tracemalloc
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +301,34 @@ def test_broadcast_batch_and_16_bit_inputs(rng, dtype):
     assert st.lse.shape == (2, 3, 30) and st.lse.dtype == np.float32
     ref = reference_attention_stats(q, k, causal=True, top_k=3, rows=[1, 29])
     _compare(st, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_read_only_inputs(rng, tmp_path):
+    """Read-only arrays (a memory-mapped file, a broadcast view, a read-only copy) give the
+    same bits as writable ones: nothing writes to an input."""
+    q, k = rng.standard_normal((2, 30, 8)), rng.standard_normal((2, 40, 8))
+    bias, w, rows = rng.standard_normal((30, 40)), rng.random(30), np.array([2, 7])
+    path = tmp_path / "k.dat"
+    k.tofile(path)
+    frozen = [np.memmap(path, dtype=k.dtype, mode="r", shape=k.shape),
+              np.broadcast_to(q[:1], q.shape)]
+    for x in (bias, w, rows):
+        x = x.copy()
+        x.flags.writeable = False
+        frozen.append(x)
+    kq, qb = frozen[0], frozen[1]
+    got = cuonline.attention_stats(qb, kq, bias=frozen[2], received=True,
+                                   query_weights=frozen[3], rows=frozen[4], top_k=2)
+    want = cuonline.attention_stats(np.array(qb), k, bias=bias, received=True,
+                                    query_weights=w, rows=rows, top_k=2)
+    for name in FIELDS:
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.slow
+def test_benchmark_prints_its_table():
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_stats.py"),
+                             "--quick"], capture_output=True, text=True, check=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert "| 256 |" in result.stdout and "memory: 64 queries x N=4096 keys" in result.stdout
