@@ -67,11 +67,8 @@ class RowState:
         tile_max = s[rows, first]
         self.arg = np.where(tile_max > self.m, js + first, self.arg)   # ties: earlier keys
         if self.k:
-            index = np.broadcast_to(np.arange(js, js + s.shape[1], dtype=np.int64), s.shape)
-            self.top_s, self.top_i = _select(
-                np.concatenate([self.top_s, s], axis=1),
-                np.concatenate([self.top_i, index], axis=1), self.k,
-                bool(np.isnan(tile_max).any()))
+            self.top_s, self.top_i = _select_tile(self.top_s, self.top_i, s, js,
+                                                  bool(np.isnan(tile_max).any()))
         m_new = np.maximum(self.m, tile_max)
         m_safe = _finite_or_zero(m_new)
         self._rescale(m_new, m_safe)
@@ -174,12 +171,53 @@ def _select(scores, index, k, has_nan):
         greater = scores > kth
         equal = scores == kth
         need = k - greater.sum(axis=1, keepdims=True)
-        take = greater | (equal & (np.cumsum(equal, axis=1) <= need))
+        take = greater | equal
+        ties = np.flatnonzero(equal.sum(axis=1) > need[:, 0])
+        if ties.size:
+            # more entries equal the k-th value than places left: the earliest ones (a
+            # cumsum along rows is slow, so only on these rows)
+            tied = equal[ties]
+            take[ties] = greater[ties] | (tied & (np.cumsum(tied, axis=1) <= need[ties]))
         scores = scores[take].reshape(n, k)        # row-major: each row's columns in order
         index = index[take].reshape(n, k)
     order = np.argsort(-scores, axis=1, kind="stable")
     return (np.take_along_axis(scores, order, axis=1),
             np.take_along_axis(index, order, axis=1))
+
+
+def _select_tile(top_s, top_i, s, js, has_nan):
+    """The ``k`` best of the running ``(top_s, top_i)`` (n, k) and the tile ``s`` of keys
+    from ``js``, as :func:`_select` orders them.
+
+    Only the tile's scores above a row's current k-th best can enter (an equal one has a
+    higher key, so it loses the tie): after the first tiles they are few, and only the rows
+    with entrants select among their running best and entrants; a tile with many of them (the
+    first) takes :func:`_select` over the whole tile instead.
+    """
+    n, k = top_s.shape
+    enters = s > top_s[:, -1:]                    # NaN never enters: its row's weights are NaN
+    count = np.count_nonzero(enters)
+    if count > 4 * top_s.size:
+        index = np.broadcast_to(np.arange(js, js + s.shape[1], dtype=np.int64), s.shape)
+        return _select(np.concatenate([top_s, s], axis=1),
+                       np.concatenate([top_i, index], axis=1), k, has_nan)
+    if count == 0:
+        return top_s, top_i
+    rows, cols = np.nonzero(enters)               # row-major: each row's keys ascending
+    # the rows with entrants: their running best, then their entrants, padded with -inf
+    counts = np.bincount(rows, minlength=n)
+    busy = np.flatnonzero(counts)
+    width = k + int(counts.max())
+    slot = np.cumsum(counts) - counts             # first entrant of each row
+    place = k + np.arange(rows.size) - np.repeat(slot[busy], counts[busy])
+    where = np.searchsorted(busy, rows)
+    pad_s = np.full((busy.size, width), -np.inf, dtype=top_s.dtype)
+    pad_i = np.full((busy.size, width), -1, dtype=np.int64)
+    pad_s[:, :k], pad_i[:, :k] = top_s[busy], top_i[busy]
+    pad_s[where, place], pad_i[where, place] = s[rows, cols], js + cols
+    top_s, top_i = top_s.copy(), top_i.copy()
+    top_s[busy], top_i[busy] = _select(pad_s, pad_i, k, False)
+    return top_s, top_i
 
 
 def probabilities(s, lse):
