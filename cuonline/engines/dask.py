@@ -754,8 +754,10 @@ def attention_stats(stats_class, /, q, k, **options):
                          "kernels are not yet available; pass NumPy chunks "
                          "(x.map_blocks(cupy.asnumpy))")
     weights = own["query_weights"]
+    q_stand_in = _stand_in(q, "`q`", "q") if hasattr(q, "shape") else np.asarray(q)
     sp = _validate.validate_attention_stats(
-        _stand_in(arrays["q"], "`q`", "q"), _stand_in(k, "`k`", "k"), _options.Options(),
+        q_stand_in, _stand_in(k, "`k`", "k"), _options.Options(backend=options.get("backend",
+                                                                                   "auto")),
         entropy=own["entropy"], received=own["received"], top_k=own["top_k"], rows=own["rows"],
         query_weights=(_stand_in(weights, "`query_weights`", "query_weights")
                        if _is_dask_array(weights) else weights))
