@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 __all__ = ["Origin", "adapt", "host_or_cuda_view", "is_dask", "library", "namespace",
-           "refuse_masked"]
+           "origin_of", "refuse_masked"]
 
 # top-level module of an array type -> the library's name in messages
 _LIBRARY_OF_MODULE = {"jaxlib": "jax", "cupy_backends": "cupy"}
@@ -175,6 +175,14 @@ def adapt(named: Mapping[str, Any]) -> tuple[dict[str, Any], Origin | None]:
         arrays = {n: (host_or_cuda_view(x) if library(x) == lib else x)
                   for n, x in named.items()}
     return arrays, origin
+
+
+def origin_of(x: Any, stream: int | None = None) -> Origin:
+    """The :class:`Origin` of a DLPack producer's array ``x`` (its library and device), with
+    the CUDA ``stream`` its producer orders work on (None: CuPy's current stream)."""
+    device, device_id = _device_of(x, "array")
+    return Origin(library(x) or type(x).__module__, device, device_id,
+                  stream if device == "cuda" else None)
 
 
 def _device_of(x: Any, name: str) -> tuple[str, int]:
