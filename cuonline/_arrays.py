@@ -19,8 +19,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-__all__ = ["Origin", "adapt", "host_or_cuda_view", "is_dask", "library", "namespace",
-           "origin_of", "refuse_masked"]
+__all__ = ["Origin", "adapt", "check_one_library", "host_or_cuda_view", "is_dask", "library",
+           "namespace", "numpy_dtype", "origin_of", "refuse_masked"]
 
 # top-level module of an array type -> the library's name in messages
 _LIBRARY_OF_MODULE = {"jaxlib": "jax", "cupy_backends": "cupy"}
@@ -87,6 +87,26 @@ def _one_library(named: Mapping[str, Any]) -> str | None:
             f"{lib_b} array; move them to one library first ({hint})"
         )
     return next(iter(seen), None)
+
+
+def check_one_library(named: Mapping[str, Any]) -> str | None:
+    """The one array library among the values of ``named`` (None: no arrays); a TypeError
+    naming two arguments of different libraries and their libraries otherwise."""
+    return _one_library(named)
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype of any library's dtype (``torch.float32``, ``jnp.bfloat16``, ...),
+    bfloat16 as ml_dtypes'."""
+    name = str(dtype).rpartition(".")[2]
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(name)
 
 
 def namespace(**named: Any) -> Any:

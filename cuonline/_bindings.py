@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _options, _validate
+from . import _arrays, _options, _validate
 from ._api import attention_backward
 from ._gradients import Gradients
 
@@ -61,7 +61,8 @@ def check_static(options: _options.Options, framework: str, is_traced) -> None:
 def stand_in(shape, dtype) -> np.ndarray:
     """A read-only NumPy array of ``shape`` and ``dtype`` that holds one element: what
     validation needs of an array whose values are not known (a tracer, a fake tensor)."""
-    return np.broadcast_to(np.zeros((), dtype=np.dtype(dtype)), tuple(shape))
+    return np.broadcast_to(np.zeros((), dtype=_arrays.numpy_dtype(dtype)),
+                           tuple(int(n) for n in shape))
 
 
 @dataclass(frozen=True)
