@@ -176,7 +176,8 @@ def attention(
     Examples
     --------
     >>> import torch, cuonline.torch
-    >>> q, k, v = torch.randn(3, 2, 4, 50, 16, dtype=torch.float64, requires_grad=True)
+    >>> q, k, v = (torch.randn(2, 4, 50, 16, dtype=torch.float64, requires_grad=True)
+    ...            for _ in range(3))
     >>> out = cuonline.torch.attention(q, k, v, causal=True)
     >>> out.sum().backward()
     >>> q.grad.shape
