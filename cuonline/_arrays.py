@@ -184,6 +184,7 @@ def adapt(named: Mapping[str, Any]) -> tuple[dict[str, Any], Origin | None]:
     devices = {}
     for name, x in named.items():
         if library(x) == lib:
+            _refuse_tracer(x)
             devices.setdefault(_device_of(x, name), name)
     if len(devices) > 1:
         (dev_a, arg_a), (dev_b, arg_b) = list(devices.items())[:2]
