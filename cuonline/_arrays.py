@@ -19,8 +19,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-__all__ = ["Origin", "adapt", "check_one_library", "host_or_cuda_view", "is_dask", "library",
-           "namespace", "numpy_dtype", "origin_of", "refuse_masked"]
+__all__ = ["Origin", "adapt", "buffer_view", "check_one_library", "host_or_cuda_view", "is_dask",
+           "library", "namespace", "numpy_dtype", "origin_of", "refuse_masked"]
 
 # top-level module of an array type -> the library's name in messages
 _LIBRARY_OF_MODULE = {"jaxlib": "jax", "cupy_backends": "cupy"}
@@ -255,6 +255,18 @@ def host_or_cuda_view(x: Any) -> Any:
                             f"convert them to float32 or float16")
         return _import(bits, on_cuda).view(ml_dtypes.bfloat16)
     return _import(x, on_cuda)
+
+
+def buffer_view(x: Any) -> Any:
+    """A NumPy (host) or CuPy (CUDA) view of a buffer that is already ready on the current
+    stream, such as a ``jax.experimental.buffer_callback`` buffer inside its callback (whose
+    stream is made CuPy's current one): DLPack on the host, the CUDA array interface on CUDA,
+    which hands over the pointer without a stream handshake. Outputs stay writable."""
+    if _device_of(x, "buffer")[0] == "cuda":
+        import cupy
+
+        return cupy.asarray(x)
+    return np.from_dlpack(x)
 
 
 def _import(x: Any, on_cuda: bool) -> Any:

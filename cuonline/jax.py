@@ -72,7 +72,7 @@ def _bits_dtype(dtype) -> np.dtype:
 def _view(buffer: Any, dtype) -> Any:
     """A NumPy (host) or CuPy (CUDA) view of an XLA buffer, as ``dtype`` (bfloat16 arrives
     as its bits)."""
-    x = _arrays.host_or_cuda_view(buffer)
+    x = _arrays.buffer_view(buffer)
     return x.view(np.dtype(dtype)) if x.dtype != np.dtype(dtype) else x
 
 
