@@ -8,6 +8,8 @@ A library is added to the parametrisations only where it imports (SciPy's backen
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -19,7 +21,7 @@ import cuonline
 from cuonline import _arrays
 
 LIBRARIES = ["numpy"] + [name for name in ("torch", "jax")
-                         if __import__("importlib").util.find_spec(name) is not None]
+                         if importlib.util.find_spec(name) is not None]
 
 # --------------------------------------------------------------------------------------------
 # the option cases: q (2, 3, Lq, D) against k, v (2, 1, Lk, .) (three query heads share one key
@@ -258,3 +260,18 @@ def test_import_cuonline_imports_neither_jax_nor_torch():
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------------------------
+# the GPU check of benchmarks/gpu_check.sh, run on the host (it needs a GPU to check the GPU)
+
+
+@pytest.mark.skipif(LIBRARIES != ["numpy", "torch", "jax"], reason="needs torch and JAX")
+def test_gpu_framework_check_runs_on_the_host(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_frameworks.py"), "--cpu-dry-run",
+         "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (tmp_path / "gpu_frameworks.txt").read_text(encoding="utf-8").splitlines()
+    assert len([line for line in report if line.startswith("ok ")]) == 38, report
