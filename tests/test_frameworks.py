@@ -8,7 +8,9 @@ A library is added to the parametrisations only where it imports (SciPy's backen
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -275,3 +277,18 @@ def test_gpu_framework_check_runs_on_the_host(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_frameworks.txt").read_text(encoding="utf-8").splitlines()
     assert len([line for line in report if line.startswith("ok ")]) == 38, report
+
+
+# --------------------------------------------------------------------------------------------
+# the bindings take every option of cuonline.attention
+
+
+@pytest.mark.parametrize("module", [f"cuonline.{lib}" for lib in LIBRARIES if lib != "numpy"])
+def test_bindings_take_the_options_of_attention_and_document_them(module):
+    binding = importlib.import_module(module).attention
+    ours = inspect.signature(binding).parameters
+    theirs = inspect.signature(cuonline.attention).parameters
+    assert [(n, p.kind, p.default) for n, p in ours.items()] == \
+        [(n, p.kind, p.default) for n, p in theirs.items()]
+    keywords = [n for n, p in ours.items() if p.kind is p.KEYWORD_ONLY]
+    assert f"    {', '.join(keywords)}\n" in binding.__doc__
