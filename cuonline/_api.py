@@ -75,7 +75,10 @@ def attention(
     ----------
     q : array, shape (..., Lq, D)
         Queries. NumPy or CuPy array of float16, bfloat16 (with ``ml_dtypes``), float32 or
-        float64. Any strides, including negative and zero (broadcast) ones.
+        float64. Any strides, including negative and zero (broadcast) ones. Torch tensors,
+        JAX arrays and other DLPack arrays are read in place as NumPy (host memory) or CuPy
+        (CUDA memory) arrays, and the results come back in their library and on their
+        device (docs/frameworks.md; ``cuonline.jax`` and ``cuonline.torch`` differentiate).
     k : array, shape (..., Lk, D)
         Keys, same dtype and library as `q`.
     v : array, shape (..., Lk, Dv)
@@ -491,7 +494,7 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     Parameters
     ----------
     x : array
-        Real floating NumPy or CuPy array.
+        Real floating NumPy or CuPy array (or any DLPack array, as in :func:`attention`).
     axis : int, optional
         The axis to normalise over. Default: the last.
     mask : bool array, optional
