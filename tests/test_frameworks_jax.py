@@ -170,6 +170,26 @@ def test_vmap_of_an_unmapped_differentiable_argument_gives_per_element_gradients
         np.testing.assert_allclose(np.asarray(per[i]), np.asarray(want), atol=1e-13)
 
 
+def test_vmap_over_constants_only():
+    """Only the mask and the key lengths are mapped: the batch still grows, and q gets one
+    gradient per mapped element."""
+    rng = np.random.default_rng(15)
+    q, k, v = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 7, 4)), \
+        rng.standard_normal((3, 7, 2))
+    masks, lengths = rng.random((4, 5, 7)) < 0.7, np.array([2, 7, 5, 3])
+
+    def loss(q, mask, length):
+        return (cj.attention(q, k, v, mask=mask, kv_lengths=length) ** 2).sum()
+
+    got = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(q, masks, lengths)
+    for i in range(4):
+        out, lse = cuonline.attention(q, k, v, mask=masks[i], kv_lengths=lengths[i],
+                                      return_lse=True)
+        g = cuonline.attention_backward(2 * out, q, k, v, out, lse, mask=masks[i],
+                                        kv_lengths=lengths[i])
+        np.testing.assert_allclose(np.asarray(got[i]), g.dq, atol=1e-13)
+
+
 # --------------------------------------------------------------------------------------------
 # dtypes, errors, merge
 
