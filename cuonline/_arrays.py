@@ -168,7 +168,7 @@ class Origin:
             return None
         if isinstance(result, tuple):
             return tuple(self.back(r) for r in result)
-        if dataclasses.is_dataclass(result):      # Gradients: each field
+        if dataclasses.is_dataclass(result) and not isinstance(result, type):  # Gradients
             return dataclasses.replace(result, **{f.name: self.back(getattr(result, f.name))
                                                   for f in dataclasses.fields(result)})
         return _export(self.library, result)
@@ -181,7 +181,7 @@ def adapt(named: Mapping[str, Any]) -> tuple[dict[str, Any], Origin | None]:
     lib = _one_library(named)
     if lib in (None, "numpy", "cupy", "dask"):
         return dict(named), None
-    devices = {}
+    devices: dict[tuple[str, int], str] = {}
     for name, x in named.items():
         if library(x) == lib:
             _refuse_tracer(x)
@@ -303,7 +303,7 @@ def _export(lib: str, x: Any) -> Any:
         return jax.dlpack.from_dlpack(x)
     # any other DLPack consumer: the module that made the inputs has from_dlpack
     # (TensorFlow: tf.experimental.dlpack.from_dlpack takes a capsule)
-    module = sys.modules.get(lib)
+    module: Any = sys.modules.get(lib)
     if hasattr(module, "from_dlpack"):
         return module.from_dlpack(x)
     if hasattr(getattr(module, "experimental", None), "dlpack"):

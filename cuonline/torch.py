@@ -3,13 +3,13 @@ tensors, registered as the custom operators ``torch.ops.cuonline.attention`` and
 ``torch.ops.cuonline.attention_backward`` (``torch.library.custom_op``), so ``torch.compile``
 keeps them in its graph.
 
-``import cuonline.torch`` imports torch (``import cuonline`` does not). The tensors are read
-in place through DLPack (CPU tensors as NumPy arrays for the NumPy engine, CUDA tensors as CuPy
+``import cuonline.torch`` imports torch (``import cuonline`` does not). The tensors are read in
+place through DLPack (CPU tensors as NumPy arrays for the NumPy engine, CUDA tensors as CuPy
 arrays for cuonline's kernels, which run on torch's current stream); the results are torch
 tensors on the inputs' device. The operators' schemas are built from the options table
 (``cuonline._options``): each array option is a ``Tensor?`` argument, and every other option
-travels in one string argument (the repr of its Python values), so an option added to the table reaches torch without
-an edit here. See docs/frameworks.md.
+travels in one string argument (the repr of its Python values), so an option added to the table
+reaches torch without an edit here. See docs/frameworks.md.
 """
 
 from __future__ import annotations
