@@ -3,6 +3,7 @@ of a 10**6-long sequence.
 
     python benchmarks/bench_dask.py            # N = 32768, D = 64; N = 10**6 with 16k chunks
     python benchmarks/bench_dask.py --quick    # a tiny smoke run (tests/test_dask.py)
+    python benchmarks/bench_dask.py --part backward   # the backward's memory alone
 
 Prints, in one run:
 
@@ -16,7 +17,12 @@ Prints, in one run:
   build the graph, its tasks (per visible chunk pair, merges, all), the time of the first query
   chunk (one task) beside a direct call on the same chunks, and the scheduling overhead per
   task: the whole graph run with a chunk function that returns zeros at once, so what is
-  timed is Dask (threaded scheduler and the 2-process cluster), not attention.
+  timed is Dask (threaded scheduler and the 2-process cluster), not attention;
+* **backward memory**: ``attention_backward`` of 64 queries against ``--bwd-keys`` keys
+  (D = 16, float32, ``--bwd-chunk`` keys per chunk, keys and values generated chunk by chunk):
+  the peak of memory allocated (``tracemalloc``) while computing one gradient alone, ``dq``
+  then ``dk``, on the synchronous and the threaded scheduler, beside one in-memory call on
+  one key chunk (the memory of one task).
 
 Figures move with whatever else the machine does: each is the best of --repeat runs, and the
 ratios of one run are what to compare.
@@ -28,6 +34,7 @@ import argparse
 import itertools
 import resource
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -159,6 +166,44 @@ def graph(args, distributed, da):
           f"peak RSS per worker {', '.join(f'{m:.0f}' for m in peak.values())} MiB")
 
 
+def backward_memory(args, dask, da):
+    n, lk, c, d = 64, args.bwd_keys, args.bwd_chunk, 16
+    rng = da.random.default_rng(3)
+    q = rng.standard_normal((n, d), chunks=(n, d), dtype=np.float32)
+    k, v = (rng.standard_normal((lk, d), chunks=(c, d), dtype=np.float32) for _ in range(2))
+    out, lse = dask.compute(*cuonline.attention(q, k, v, return_lse=True))
+    dout = np.ones_like(out)
+    grads = cuonline.attention_backward(dout, q, k, v, out, lse)
+    # one task's work: the in-memory call on one key chunk with its own state
+    q0, k0, v0 = dask.compute(q, k[:c], v[:c])
+    out0, lse0 = cuonline.attention(q0, k0, v0, return_lse=True)
+    task = traced_peak(lambda: cuonline.attention_backward(dout, q0, k0, v0, out0, lse0,
+                                                           workers=1))[0]
+    print(f"\nbackward memory: {n} queries, {lk} keys in chunks of {c} ({lk // c} tasks), "
+          f"D = {d}, float32; one in-memory call on one key chunk peaks at {task:.1f} MiB; "
+          f"k and v are {k.nbytes / 2**20:.0f} MiB each")
+    print("| scheduler | gradient computed alone | peak traced MiB | s |")
+    print("|---|---|---|---|")
+    for scheduler, kwargs in (("synchronous", {}), ("threads", {"num_workers": 2})):
+        for field in ("dq", "dk"):
+            x = getattr(grads, field)
+            peak, took = traced_peak(lambda: x.compute(scheduler=scheduler, **kwargs))
+            print(f"| {scheduler} | {field} | {peak:.1f} | {took:.2f} |")
+
+
+def traced_peak(fn):
+    """``(peak MiB that tracemalloc saw, seconds)`` of ``fn()`` (NumPy reports its buffers to
+    tracemalloc, so this is the arrays' memory, not the process's resident size)."""
+    tracemalloc.start()
+    try:
+        t = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t
+        return tracemalloc.get_traced_memory()[1] / 2**20, took
+    finally:
+        tracemalloc.stop()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=32768)
@@ -169,16 +214,24 @@ def main(argv=None):
     parser.add_argument("--big-chunk", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=3,
                         help="time each configuration this many times, keep the best")
+    parser.add_argument("--bwd-keys", type=int, default=1 << 20)
+    parser.add_argument("--bwd-chunk", type=int, default=1 << 16)
+    parser.add_argument("--part", choices=("all", "scaling", "graph", "backward"), default="all")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.chunk, args.big_n, args.big_chunk, args.repeat = 1024, 256, 8192, 1024, 1
+        args.bwd_keys, args.bwd_chunk = 1 << 13, 1 << 10
     import dask
     import dask.array as da
     import distributed
 
-    scaling(args, dask, distributed, da)
-    graph(args, distributed, da)
+    if args.part in ("all", "scaling"):
+        scaling(args, dask, distributed, da)
+    if args.part in ("all", "graph"):
+        graph(args, distributed, da)
+    if args.part in ("all", "backward"):
+        backward_memory(args, dask, da)
 
 
 if __name__ == "__main__":

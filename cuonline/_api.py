@@ -64,7 +64,7 @@ def attention(
     rel_q: Array | None = None, rel_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Any:   # out, or (out, lse) with return_lse
     r"""Exact scaled dot-product attention, computed in tiles with an online softmax.
 
     Computes ``softmax(scale * q @ k.T + bias) @ v`` per batch element without ever holding
@@ -122,7 +122,8 @@ def attention(
         last query faces the last key). Causal, window and ALiBi read the distance
         ``delta = (k_offset + j) - (q_offset + i)``, so attention over chunks of the queries
         and keys, each called with its chunk's offsets, merges exactly with :func:`merge`.
-        Any int (NumPy ints included); ``q_offset - k_offset`` is clamped to ``+-2**53``.
+        Any int (NumPy ints included); ``q_offset - k_offset`` is clamped to
+        ``+-(2**53 - Lq - Lk)``.
     k_offset : int, optional
         Position of key 0: key ``j`` sits at ``k_offset + j``. Default 0.
     bias_block : int or (int, int), optional
@@ -530,6 +531,8 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     >>> cuonline.softmax(np.array([1000.0, 1000.0, -np.inf]))
     array([0.5, 0.5, 0. ])
     """
+    if _dask.is_dask_softmax(x, mask):   # Dask arrays: a lazy graph over the blocks
+        return _dask.softmax(softmax, x, axis, mask=mask, mode="softmax", backend=backend)
     p = _validate.validate_axis_input(x, axis, mask, backend, mode="softmax")
     if p.backend in _CUDA_BACKENDS:
         return _cuda_softmax().run(p)
@@ -550,6 +553,8 @@ def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     >>> cuonline.log_softmax(np.array([0.0, 0.0]))
     array([-0.69314718, -0.69314718])
     """
+    if _dask.is_dask_softmax(x, mask):   # Dask arrays: a lazy graph over the blocks
+        return _dask.softmax(log_softmax, x, axis, mask=mask, mode="log_softmax", backend=backend)
     p = _validate.validate_axis_input(x, axis, mask, backend, mode="log_softmax")
     if p.backend in _CUDA_BACKENDS:
         return _cuda_softmax().run(p)
@@ -579,6 +584,8 @@ def logsumexp(x: Array, axis: int = -1, *, mask: Array | None = None, keepdims: 
     >>> float(cuonline.logsumexp(np.array([2.0, 4.0, 1.0, 3.0])))  # doctest: +ELLIPSIS
     4.44018...
     """
+    if _dask.is_dask_softmax(x, mask):   # Dask arrays: a lazy graph over the blocks
+        return _dask.softmax(logsumexp, x, axis, mask=mask, mode="logsumexp", keepdims=keepdims, backend=backend)
     p = _validate.validate_axis_input(x, axis, mask, backend, mode="logsumexp",
                                       keepdims=keepdims)
     if p.backend in _CUDA_BACKENDS:

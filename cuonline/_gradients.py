@@ -72,7 +72,7 @@ class Target:
     def groups(self, batch_shape: tuple) -> dict:
         """``{slot: [b, ...]}``: the batch elements whose gradients sum into each slot, in C
         order (the summation order)."""
-        out = {}
+        out: dict[tuple, list] = {}
         for b in np.ndindex(*batch_shape):
             out.setdefault(self.slot(b), []).append(b)
         return out

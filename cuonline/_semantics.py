@@ -39,10 +39,10 @@ LN2 = math.log(2.0)
 
 Window = tuple  # (left: int | None, right: int | None)
 
-#: Diagonal offsets are clamped to +-MAX_DIAGONAL. Visibility does not change (past +-(Lq + Lk)
-#: every query sees all keys or none, the same at either size), ALiBi distances stay exact
-#: integers in float64 up to this bound, and with window sides below 2**60 (the kernels'
-#: "unbounded") every ``i + diag +- side`` stays far inside int64.
+#: Diagonal offsets are clamped to +-(MAX_DIAGONAL - Lq - Lk). Visibility does not change (past
+#: +-(Lq + Lk) every query sees all keys or none, the same at either size), every ALiBi
+#: distance ``|i + diag - j|`` is an exact integer in float64, and with window sides below
+#: 2**60 (the kernels' "unbounded") every ``i + diag +- side`` stays far inside int64.
 MAX_DIAGONAL = 1 << 53
 
 
@@ -59,13 +59,18 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 
 def diagonal_offset(lq: int, lk: int, q_offset=None, k_offset: int = 0) -> int:
-    """Key index aligned with query 0: ``q_offset - k_offset``, clamped to +-MAX_DIAGONAL.
+    """Key index aligned with query 0: ``q_offset - k_offset``, clamped to
+    ``+-(MAX_DIAGONAL - Lq - Lk)``.
 
     ``q_offset=None`` is ``Lk - Lq`` (bottom-right alignment), so ``diagonal_offset(lq, lk)`` is
-    ``Lk - Lq``. The offsets are ints of any size (validated by the caller).
+    ``Lk - Lq``. The offsets are ints of any size (validated by the caller). The bound leaves
+    room for the lengths, so a block of a clamped call, called with its block's offsets (as
+    Dask's tasks and user-side chunking do), falls inside its own bound and is not clamped
+    again: it scores exactly as the whole call.
     """
     q_offset = lk - lq if q_offset is None else int(q_offset)
-    return max(-MAX_DIAGONAL, min(MAX_DIAGONAL, q_offset - int(k_offset)))
+    bound = max(MAX_DIAGONAL - lq - lk, lq + lk)     # lengths past 2**52: visibility still kept
+    return max(-bound, min(bound, q_offset - int(k_offset)))
 
 
 def effective_window(causal: bool, window) -> tuple:

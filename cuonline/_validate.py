@@ -22,8 +22,8 @@ from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
-    "BACKENDS", "Problem", "SoftmaxProblem", "array_namespace", "validate_attention",
-    "validate_axis_input", "validate_merge",
+    "BACKENDS", "Problem", "SoftmaxProblem", "array_namespace", "check_backend",
+    "validate_attention", "validate_axis_input", "validate_merge",
 ]
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
@@ -228,7 +228,9 @@ def _broadcast_to(xp, x, shape, name, expected):
     return xp.broadcast_to(x, shape)
 
 
-def _check_backend(backend, xp) -> str:
+def check_backend(backend, xp) -> str:
+    """The engine ``backend=`` names for arrays of namespace ``xp`` (``"auto"`` resolved);
+    ValueError for an unknown name, TypeError for one that does not take these arrays."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(
             f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}"
@@ -417,7 +419,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     """
     o = _options_of(options, keywords)
     xp = array_namespace(q=q, k=k, v=v, **o.arrays())
-    backend = _check_backend(o.backend, xp)
+    backend = check_backend(o.backend, xp)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -643,7 +645,7 @@ def validate_axis_input(x, axis, mask, backend, *, mode="softmax", keepdims=Fals
         raise ValueError(f"`mode` must be one of {', '.join(map(repr, SOFTMAX_MODES))}; "
                          f"got {mode!r}")
     xp = array_namespace(x=x, mask=mask)
-    backend = _check_backend(backend, xp)
+    backend = check_backend(backend, xp)
     x = _as_array(xp, x, "x")
     _check_float(x, "x")
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):

@@ -298,11 +298,10 @@ def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:
     >>> bool(jnp.allclose(out, cuonline.jax.attention(q, k, v), atol=1e-6))
     True
     """
-    stand_ins = []
-    for state in states:
-        if isinstance(state, (tuple, list)) and len(state) == 2:
-            state = tuple(_bindings.stand_in(jnp.shape(x), jnp.result_type(x)) for x in state)
-        stand_ins.append(state)
+    stand_ins: list[Any] = [
+        tuple(_bindings.stand_in(jnp.shape(x), jnp.result_type(x)) for x in state)
+        if isinstance(state, (tuple, list)) and len(state) == 2 else state
+        for state in states]
     _validate.validate_merge(stand_ins)
     outs = [jnp.asarray(o) for o, _ in states]
     lses = [jnp.asarray(s) for _, s in states]

@@ -95,6 +95,7 @@ def _attention_backward_op(*args: Any) -> list[Tensor]:
     statics, _ = _decode(args[-1])
     named = {"dout": dout, "dlse": dlse, "out": out, "lse": lse, **arrays}
     inside, origin = _arrays.adapt({n: x for n, x in named.items() if x is not None})
+    assert origin is not None          # tensors always come from torch
     with origin.running():
         g = _bindings.attention_backward_with_lse(
             inside.pop("dout"), inside.pop("dlse", None), inside.pop("q"), inside.pop("k"),

@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import `support` and `oracle` as modules
 
-from support import Engine, engine_params  # noqa: E402 - needs the path above
+from support import (Engine, engine_params, needs_emulation, needs_gpu,  # noqa: E402
+                     needs_nvrtc)                      # (needs the path above)
 
 
 @pytest.fixture
@@ -25,3 +26,15 @@ def rng():
 @pytest.fixture(params=engine_params())
 def engine(request):
     return Engine(request.param)
+
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier, ``python -m pytest -m "not slow"``, runs every public function on the
+    NumPy engine. Slow: a module marked ``pytestmark = pytest.mark.slow`` (kernels, wheels,
+    benchmarks) and any case that needs the emulation, NVRTC or a GPU, i.e. that compiles or
+    runs cuonline's CUDA kernels."""
+    kernel_marks = [m.mark for m in (needs_emulation, needs_nvrtc, needs_gpu)]
+    for item in items:
+        if any(mark in kernel_marks for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.slow)

@@ -1,5 +1,6 @@
-"""The package's shape: no import circle, a pure kernels layer, one registry of kernel families,
-one table of attention options, one seam for the engines."""
+"""The package's shape: no import circle, a pure kernels layer, no module using another's private
+names, one registry of kernel families, one table of attention options, one seam for the
+engines."""
 
 from __future__ import annotations
 
@@ -100,6 +101,90 @@ def test_kernels_layer_imports_neither_engines_nor_tools():
                                                       "cuonline.testing", "cuonline._validate",
                                                       "cuonline._api"))}
             assert not bad, (name, bad)
+
+
+# --------------------------------------------------------------------------------------------
+# private names stay in their module
+
+
+# Spelled private, but another library's public interface: namedtuple's methods, and the
+# metadata array of a Dask array (no public spelling exists).
+FOREIGN_INTERFACE = {"_asdict", "_replace", "_fields", "_make", "_meta"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(module: str, text: str, modules) -> list:
+    """``[(line, use)]``: where the module ``module`` (source ``text``) imports a private name
+    of another cuonline module (``from .x import _y``; private modules themselves may be
+    imported) or reads an attribute ``obj._y`` that it does not define itself (so belongs to
+    another module: ``x._y``, ``instance._method``)."""
+    tree = ast.parse(text)
+    package = module if module.endswith("__init__") else module.rpartition(".")[0]
+    package = package.removesuffix(".__init__")
+    own = set()                                # names this module defines, at any level
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+            own.add(node.attr)
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "cuonline":
+                continue
+            for alias in node.names:
+                if _private(alias.name) and f"{base}.{alias.name}" not in modules:
+                    uses.append((node.lineno, f"from {base} import {alias.name}"))
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+              and _private(node.attr) and node.attr not in own
+              and node.attr not in FOREIGN_INTERFACE):
+            uses.append((node.lineno, ast.unparse(node)))
+    return uses
+
+
+def _package_private_uses():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = {}
+    for name, path in sorted(modules.items()):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, use in private_uses(name if path.name != "__init__.py" else name + ".__init__",
+                                      path.read_text(encoding="utf-8"), modules):
+            found.setdefault((rel, use), []).append(line)
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = _package_private_uses()
+    bad = sorted(f"{path}:{lines[0]}: {use}" for (path, use), lines in found.items())
+    assert not bad, "give the shared piece a public name:\n" + "\n".join(bad)
+
+
+def test_the_private_name_finder_finds_what_the_numpy_backward_did():
+    """engines/numpy_backward.py imported the forward's _run and _ScoreTerms and called
+    terms._band; a private module, a name defined here and a namedtuple's method are fine."""
+    text = ("from .numpy import _run, workers\n"
+            "from . import _tile_kernels\n"
+            "def f(terms, t):\n"
+            "    t._asdict()\n"
+            "    _tile_kernels.compile_for(1)\n"
+            "    return terms._band(0, 1), terms._mine\n"
+            "class A:\n"
+            "    def __init__(self):\n"
+            "        self._mine = 1\n")
+    modules = {"cuonline.engines.numpy", "cuonline.engines._tile_kernels"}
+    uses = [use for _, use in private_uses("cuonline.engines.numpy_backward", text, modules)]
+    assert uses == ["from cuonline.engines.numpy import _run", "terms._band"]
 
 
 _NO_CUPY = r"""

@@ -437,3 +437,158 @@ def test_empty_shapes(q_shape, k_shape):
     g = backward(q, k, k, np.ones(q_shape), {})
     assert g.dq.shape == q_shape and g.dk.shape == g.dv.shape == k_shape
     assert not g.dq.any() and not g.dk.any() and not g.dv.any()
+
+
+def test_nan_at_unseen_relative_table_places_reaches_no_gradient(small_tiles):
+    """Issue 22, item 2: ``rel_k`` rows that no query sees (distances > 0 under causal) and a
+    ``rel_q`` row of a query that sees no key contribute exactly zero: the gradients equal those
+    of the same call with zeros there, where the dense products ``g @ band`` and ``g.T @ rel_q``
+    would have carried 0 * NaN into every entry."""
+    q, k, v, dout, o = make(21, ("rel_qk", "mask"), lq=33, lk=33)
+    o["causal"] = True
+    rk = o["rel_k"].shape[-2] // 2
+    o["rel_k"][rk + 1:] = np.nan                      # distances > 0: never seen under causal
+    o["rel_q"][0, 1, 3] = np.nan                      # row 3 sees no key (make's mask)
+    g = backward(q, k, v, dout, o)
+    clean = dict(o, rel_k=np.nan_to_num(o["rel_k"], nan=0.0),
+                 rel_q=np.nan_to_num(o["rel_q"], nan=0.0))
+    ref = reference_attention_backward(dout, q, k, v, **clean)
+    for name in GRAD_NAMES:
+        got = getattr(g, name)
+        if ref[name] is None:
+            continue
+        assert np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, ref[name], rtol=0, atol=1e-12, err_msg=name)
+    assert not g.drel_k[rk + 1:].any()
+
+
+def _wrong_lse(how, q, k, v, o):
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **o)
+    if how == "plus 5":
+        return out, lse + 5
+    if how == "minus 50":
+        return out, lse - 50
+    if how == "-inf where keys are seen":
+        lse = lse.copy()
+        lse[0, 0, 4] = -np.inf
+        return out, lse
+    if how == "+inf":
+        lse = lse.copy()
+        lse[1, 2, 0] = np.inf
+        return out, lse
+    # the lse of a call with other options: causal sees fewer keys
+    return cuonline.attention(q, k, v, return_lse=True, causal=True, **o)
+
+
+@pytest.mark.parametrize("how", ["plus 5", "minus 50", "-inf where keys are seen", "+inf",
+                                 "causal lse"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_lse_of_other_inputs_is_refused(small_tiles, how, dtype):
+    """Issue 22, item 6: each row's sum of P = exp(s - lse) must be 1 (0 for a row without
+    keys) within rounding; before, every one of these returned finite, wrong gradients."""
+    q, k, v, dout, o = make(22, ("bias", "rel_qk"))
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    out, lse = _wrong_lse(how, q, k, v, o)
+    with pytest.raises(ValueError, match=r"`lse` must be the one attention returned .* row \("):
+        cuonline.attention_backward(dout, q, k, v, out, lse, **o)
+
+
+def test_the_lse_message_names_the_row_and_its_sum(small_tiles):
+    q, k, v, dout, o = make(23, ())
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    lse = lse.copy()
+    lse[1, 0, 7] += 5
+    with pytest.raises(ValueError, match=r"row \(1, 0, 7\) sums to 0\.0067\d* .* by about 5"):
+        cuonline.attention_backward(dout, q, k, v, out, lse)
+
+
+def _cancelling(dtype, sigma, seed=24):
+    """Large products cancelled by a bias: logits of order 1 from terms of order sigma**2."""
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((1, 40, 64)) * sigma).astype(dtype)
+    k = (rng.standard_normal((1, 300, 64)) * sigma).astype(dtype)
+    v = rng.standard_normal((1, 300, 8)).astype(dtype)
+    bias = -(q[0].astype(np.float64) @ k[0].T.astype(np.float64)) / 8
+    return q, k, v, (bias + rng.standard_normal(bias.shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ["cancelling f32", "cancelling f16", "large f32",
+                                  "large bf16", "softcap", "every option", "extreme bias"])
+def test_the_lse_check_never_fires_on_genuine_inputs(case):
+    """Large logits, products cancelled by a bias (another tile shape in the backward rounds
+    them another way), 16-bit inputs, every option, logits near float32's range."""
+    rng = np.random.default_rng(25)
+    o = {}
+    if case.startswith("cancelling"):
+        dtype = np.float32 if case.endswith("f32") else np.float16
+        q, k, v, o["bias"] = _cancelling(dtype, 300.0 if dtype == np.float32 else 8.0)
+    elif case.startswith("large"):
+        dtype = np.float32 if case.endswith("f32") else BFLOAT16
+        if dtype is None:
+            pytest.skip("ml_dtypes is not installed")
+        q, k, v = (rng.standard_normal((2, 70, 32)) * 40).astype(dtype), \
+            (rng.standard_normal((2, 600, 32)) * 40).astype(dtype), \
+            rng.standard_normal((2, 600, 8)).astype(dtype)
+    elif case == "softcap":
+        q, k, v, o["bias"] = _cancelling(np.float32, 30.0)
+        o["softcap"], o["softcap_bias"] = 20.0, True
+    elif case == "every option":
+        q, k, v, _, o = make(26, ("softcap", "rel_qk", "rel_bias", "block_bias", "offsets",
+                                  "window", "alibi"), lq=70, lk=600, dtype=np.float32)
+        q, k, v = (x.astype(np.float32) * 6 for x in (q, k, v))
+    else:
+        q, k, v = (rng.standard_normal((1, 30, 16)).astype(np.float32) for _ in range(3))
+        o["bias"] = np.full((30, 30), 3e38, np.float32) * np.sign(rng.standard_normal((30, 30)))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **o)
+    dout = np.ones_like(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cuonline.attention_backward(dout, q, k, v, out, lse, **o)
+
+
+def test_part_of_the_keys_with_the_global_lse(small_tiles):
+    """Inside partial_keys (a Dask chunk pair), row sums below 1 are right; above is not."""
+    from cuonline import _lse_check
+
+    q, k, v, dout, o = make(27, ())
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    with _lse_check.partial_keys():
+        cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse)
+        with pytest.raises(ValueError, match="`lse`"):
+            cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse - 50)
+    with pytest.raises(ValueError, match="`lse`"):
+        cuonline.attention_backward(dout, q, k[..., :20, :], v[..., :20, :], out, lse)
+
+
+def test_the_row_sum_rule_itself():
+    """cuonline._lse_check, the rule every engine's backward applies (also the CUDA one)."""
+    from cuonline import _lse_check
+
+    def check(sums, lse, **kw):
+        kw = dict(dict(acc_dtype=np.float32, n_keys=100, logit_terms=8), **kw)
+        _lse_check.check_row_sums(np, np.array(sums), np.array(lse, np.float32), **kw)
+
+    tol = float(_lse_check.row_sum_tolerance(np, np.float32, 100, np.float32(2.0), 8))
+    assert tol == pytest.approx(np.finfo(np.float32).eps * (100 + 12 * (2 + np.log(101) + 1)))
+    assert _lse_check.row_sum_tolerance(np, np.float64, 100, 2.0, 8) < tol
+    assert _lse_check.row_sum_tolerance(np, np.float32, 100, 2.0, 8, np.nan) == np.inf
+    check([1.0, np.exp(tol / 2), 0.0, np.nan], [2.0, 2.0, -np.inf, np.nan])
+    with pytest.raises(ValueError, match=r"row \(1,\) sums to"):
+        check([1.0, np.exp(2 * tol)], [2.0, 2.0])
+    with pytest.raises(ValueError, match=r"-inf at row \(1,\), which sees keys"):
+        check([1.0, 0.0], [2.0, -np.inf], sees_keys=np.array([True, True]))
+    with pytest.raises(ValueError, match=r"row \(0,\) sums to 0 .*more than the dtype's range"):
+        check([0.0], [np.inf])
+    check([0.3, 0.0], [2.0, 2.0], all_keys=False)               # part of the keys: below 1
+    with pytest.raises(ValueError, match="`lse`"):
+        check([1.5], [2.0], all_keys=False)
+    assert not _lse_check.keys_are_partial()
+    with _lse_check.partial_keys():
+        assert _lse_check.keys_are_partial()
+        check([0.3], [2.0])
+    # R: scale |q_i| max_j |k_j| over keys below kv_lengths, NaN left out
+    q = np.array([[[3.0, 4.0], [0.0, 1.0]]])
+    k = np.array([[[1.0, 0.0], [0.0, 2.0], [np.nan, 9.0]]])
+    r = _lse_check.product_bound(np, q, k, 0.5, kv_lengths=np.array([2]))
+    np.testing.assert_allclose(r, [[0.5 * 5 * 2, 0.5 * 1 * 2]])
+    np.testing.assert_allclose(_lse_check.product_bound(np, q, k, 0.5), r)   # NaN row left out

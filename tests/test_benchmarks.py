@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

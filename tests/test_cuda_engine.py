@@ -25,6 +25,8 @@ from cuonline._validate import validate_attention
 from cuonline.kernels import families, heuristics
 from cuonline.kernels.specs import AttentionSimtSpec
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 BACKENDS = cuda_backend_params()
 
 

@@ -196,6 +196,31 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
     np.testing.assert_allclose(out, ref[0], atol=1e-14)
 
 
+@pytest.mark.parametrize("offsets", [dict(q_offset=2**53), dict(q_offset=2**70),
+                                     dict(q_offset=-(2**53)), dict(q_offset=0, k_offset=2**60)])
+def test_alibi_past_the_diagonal_clamp_is_clamped_once(offsets):
+    # each task's offsets are the clamped diagonal plus its chunk's: clamped again, a chunk's
+    # ALiBi distances shifted by its chunk offsets
+    rng = np.random.default_rng(24)
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (64, 70, 70))
+    slopes = np.array([2.0**-16, 2.0**-18])    # slope * 2**53: lse of 2**37, ulp 2**-15
+    opts = dict(alibi_slopes=slopes, **offsets)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **opts)
+    dq = da.from_array(q, chunks=(1, 16, 8))
+    dk = da.from_array(k, chunks=(2, 13, 8))
+    got_out, got_lse = compute(cuonline.attention(dq, dk, v, return_lse=True, **opts))
+    # merging (out, lse) states rounds each lse at its magnitude: a floor of a few ulp
+    ulp = np.spacing(np.abs(lse).max())
+    assert np.abs(got_lse - lse).max() <= 2 * ulp
+    assert np.abs(got_out - out).max() <= 2 * ulp
+    dout = rng.standard_normal(out.shape)
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse, **opts)
+    got = cuonline.attention_backward(dout, dq, dk, v, out, lse, **opts)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(compute(getattr(got, field)), getattr(ref, field),
+                                   atol=1e-12, err_msg=field)
+
+
 # --------------------------------------------------------------------------------------------
 # the graph
 
@@ -302,6 +327,50 @@ def test_block_bias_and_relative_terms(term):
 
 
 # --------------------------------------------------------------------------------------------
+# broadcast arguments: their axes are read from the right, as NumPy broadcasts
+
+
+@pytest.mark.parametrize("chunks", [(4, 4), ((5, 7), (3, 9))], ids=["shared", "unshared"])
+@pytest.mark.parametrize("option", ["bias", "mask"])
+def test_a_1d_bias_or_mask_is_a_key_axis_when_lq_equals_lk(option, chunks):
+    # (Lk,) with Lq == Lk: aligned to the left it was sliced by query chunks (a wrong answer
+    # with shared chunks, a ValueError at compute time without)
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((12, 4)) for _ in range(3))
+    opts = {"bias": dict(bias=rng.standard_normal(12)),
+            "mask": dict(mask=rng.random(12) < 0.6)}[option]
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **opts)
+    dq = da.from_array(q, chunks=(chunks[0], 4))
+    dk, dv = (da.from_array(x, chunks=(chunks[1], 4)) for x in (k, v))
+    dopts = {n: da.from_array(x, chunks=5) for n, x in opts.items()}
+    check_same(cuonline.attention(dq, dk, dv, return_lse=True, **dopts), (out, lse), q.dtype)
+    dout = rng.standard_normal(out.shape)
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse, **opts)
+    got = cuonline.attention_backward(dout, dq, dk, dv, out, lse, **dopts)
+    for field in ("dq", "dk", "dv", "dbias"):
+        want = getattr(ref, field)
+        if want is not None:
+            np.testing.assert_allclose(compute(getattr(got, field)), want, atol=1e-12,
+                                       err_msg=field)
+
+
+@pytest.mark.parametrize("q_chunks", [4, (1, 3)])
+def test_a_dout_of_shape_dv_is_a_head_axis_when_dv_equals_lq(q_chunks):
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((4, 4))
+    k, v = rng.standard_normal((9, 4)), rng.standard_normal((9, 4))
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(4)                # broadcast over the 4 queries
+    ref = cuonline.attention_backward(dout, q, k, v, out, lse)
+    got = cuonline.attention_backward(da.from_array(dout, chunks=2),
+                                      da.from_array(q, chunks=(q_chunks, 4)),
+                                      da.from_array(k, chunks=(3, 4)), v, out, lse)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(compute(getattr(got, field)), getattr(ref, field),
+                                   atol=1e-12, err_msg=field)
+
+
+# --------------------------------------------------------------------------------------------
 # validation: the NumPy engine's messages
 
 
@@ -363,6 +432,19 @@ def test_merge_of_dask_states():
     check_same((out, lse), cuonline.merge(a, b), np.float64)
     with pytest.raises(ValueError, match="state 1: `out` has shape"):
         cuonline.merge(da_, (b[0][:1], b[1][:1]))
+
+
+def test_merge_of_a_state_of_unknown_chunk_sizes_is_refused():
+    rng = np.random.default_rng(23)
+    out, lse = cuonline.attention(*(rng.standard_normal((6, 4)) for _ in range(3)),
+                                  return_lse=True)
+    keep = da.from_array(lse, chunks=3) > -np.inf
+    lazy_out, lazy_lse = da.from_array(out, chunks=(3, 4))[keep], da.from_array(lse)[keep]
+    with pytest.raises(ValueError, match=r"state 1: `lse` has unknown chunk sizes .*"
+                                         r"states\[1\]\[1\]\.compute_chunk_sizes\(\)"):
+        cuonline.merge((out, lse), (out, lazy_lse))
+    with pytest.raises(ValueError, match=r"state 0: `out` has unknown chunk sizes"):
+        cuonline.merge((lazy_out, lse), (out, lse))
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,6 +662,25 @@ def test_backward_skips_invisible_pairs_and_zeroes_unread_keys():
     assert np.all(got[0, 16:] == 0) and np.all(got[1, 32:] == 0)
     ref = cuonline.attention_backward(dout, q, k, v, out, lse, causal=True, kv_lengths=lengths)
     np.testing.assert_allclose(got, ref.dk, atol=1e-12)
+
+
+def test_one_gradient_reads_only_its_own_pieces_of_each_task():
+    # a task's Gradients bundle is split at once: the sums of dq read dq pieces only, so
+    # computing dq alone frees each task's dk and dv as soon as the task ends
+    from dask.core import get_dependencies
+    from dask.optimization import cull
+    (q, k, v), (dq, dk, dv) = square(64, 8)
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    grads = cuonline.attention_backward(np.ones_like(out), dq, dk, dv, out, lse,
+                                        bias=np.zeros((64, 64)))
+    for field in ("dq", "dk", "dv", "dbias"):
+        x = getattr(grads, field)
+        graph, _ = cull(dict(x.__dask_graph__()), list(dask.core.flatten(x.__dask_keys__())))
+        tasks = [key for key in graph if isinstance(key, tuple) and key[0].endswith("-chunk")]
+        assert len(tasks) == 64, field
+        readers = [key for key in graph if set(get_dependencies(graph, key)) & set(tasks)]
+        assert readers and all(key[0].endswith(f"-{field}-piece") for key in readers), \
+            (field, {key[0] for key in readers})
 
 
 def test_backward_errors_are_those_of_the_numpy_engine():

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = 'extern "C" __global__ void iota(int* p) { p[threadIdx.x] = 3 * threadIdx.x; }\n'
 OTHER_UID = 54321
 
-pytestmark = needs_emulation
+pytestmark = [needs_emulation, pytest.mark.slow]   # the fast tier leaves it out
 
 # Compiles and runs KERNEL from the cache at $CUONLINE_CACHE_DIR; prints the library's path.
 LOAD = f"""

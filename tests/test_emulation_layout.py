@@ -17,6 +17,8 @@ from support import needs_emulation
 
 from cuonline.testing import emulate
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted(p for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
 HEADER_DIR = emulate.header_path().parent

@@ -22,7 +22,7 @@ MODES = ["fibers", "threads"]
 FULL = 0xFFFFFFFF
 
 
-pytestmark = needs_emulation
+pytestmark = [needs_emulation, pytest.mark.slow]   # the fast tier leaves it out
 
 
 def _source(name: str) -> str:

@@ -16,7 +16,7 @@ from cuonline.toolchain import nvrtc
 from cuonline.kernels.heuristics import (SMEM_OPT_IN_LIMIT, arch_number, bwd_smem_limit,
                                          simt_smem_limit, simt_smem_opt_in_limit)
 
-pytestmark = needs_nvrtc
+pytestmark = [needs_nvrtc, pytest.mark.slow]   # the fast tier leaves it out
 
 SPECS = families.listing_specs()
 # (spec, arch): each arch's listing (below sm_80 without the tensor-core family)
@@ -64,7 +64,7 @@ def test_older_archs_list_only_the_families_that_run_there(arch):
 
 def test_archs_the_installed_nvrtc_lacks_are_reported_with_the_install_line(monkeypatch):
     monkeypatch.setattr(nvrtc, "_FALLBACK", [None])   # as if no CUDA 12 NVRTC were installed
-    if arch_number("sm_70") in nvrtc._backend().supported_archs():
+    if arch_number("sm_70") in nvrtc.compiler().supported_archs():
         pytest.skip("this NVRTC still compiles for sm_70")
     reason = nvrtc.arch_unavailable("sm_70")
     assert "nvidia-cuda-nvrtc-cu12" in reason and "sm_70" in reason

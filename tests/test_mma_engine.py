@@ -25,6 +25,8 @@ from cuonline.kernels import families, heuristics, source
 from cuonline.toolchain import nvrtc
 from cuonline.kernels.specs import MMA_INSTRUCTIONS, AttentionMmaSpec
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 
 BACKENDS = cuda_backend_params()
 

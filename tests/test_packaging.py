@@ -13,6 +13,8 @@ from support import needs_emulation
 
 from cuonline.testing import emulate
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,6 +44,7 @@ def test_wheel_ships_kernel_sources_and_every_emulation_header(wheel):
     for name in headers:
         assert f"cuonline/testing/{name}" in names, name
     assert "cuonline/engines/numpy.py" in names and "cuonline/__main__.py" in names
+    assert "cuonline/py.typed" in names     # type checkers read the annotations (PEP 561)
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 
 

@@ -15,6 +15,7 @@ from support import peak_traced_bytes
 
 import cuonline
 from cuonline.engines import numpy as numpy_engine
+from cuonline.engines import numpy_scores
 
 
 def case(seed, *, batch=(2, 3), lq=45, lk=70, d=8, dv=5, dr=4, dtype=np.float64):
@@ -77,7 +78,7 @@ def test_all_terms_together_over_several_tiles(monkeypatch):
     monkeypatch.setattr(numpy_engine, "BLOCK_Q", 16)
     monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)
     monkeypatch.setattr(numpy_engine, "MAX_KEY_TILE", 32)
-    monkeypatch.setattr(numpy_engine, "REL_ROWS", 5)      # groups of rows with a tail
+    monkeypatch.setattr(numpy_scores, "REL_ROWS", 5)      # groups of rows with a tail
     rng, q, k, v = case(2, lq=75, lk=101)
     options = dict(bias=rng.standard_normal((3, 19, 15)), bias_block=(4, 7),
                    rel_bias=rng.standard_normal((3, 61)), rel_q=rng.standard_normal((75, 4)),

@@ -13,6 +13,8 @@ from support import ROOT
 from cuonline.toolchain import nvrtc, sass
 from cuonline.kernels.specs import AttentionMmaSpec
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 SAMPLE = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_3:

@@ -27,6 +27,8 @@ from cuonline.engines.target import overrides
 from cuonline.kernels import families, softmax_plan, source
 from cuonline.kernels.specs import SOFTMAX_MODES, SoftmaxSpec
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 MODES = tuple(SOFTMAX_MODES)   # "softmax", "log_softmax", "logsumexp"
 FUNCTIONS = {"softmax": cuonline.softmax, "log_softmax": cuonline.log_softmax,
              "logsumexp": cuonline.logsumexp}

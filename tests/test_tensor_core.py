@@ -27,6 +27,8 @@ from cuonline.kernels import source
 from cuonline.toolchain import nvrtc
 from cuonline.testing import emulate
 
+pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
+
 HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE / "tensor_core_kernels"
 HEADER = "tensor_core.cuh"

@@ -14,6 +14,7 @@ import pytest
 
 import cuonline
 from cuonline.engines import _tile_kernels as tk  # numba is a core dependency
+from cuonline.engines import cpu_runtime
 from cuonline.engines import numpy as numpy_engine
 
 # the dtype, the input range, and how far the result may be from the reference, in ulps
@@ -159,8 +160,8 @@ def test_tile_empty_and_strided(dtype, rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_engine_uses_the_kernel(dtype):
-    assert numpy_engine._tile_kernel(dtype) is tk.online_softmax_tile
-    assert numpy_engine._tile_kernel(dtype, "softmax_rows") is tk.softmax_rows
+    assert cpu_runtime.tile_kernel(dtype) is tk.online_softmax_tile
+    assert cpu_runtime.tile_kernel(dtype, "softmax_rows") is tk.softmax_rows
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -174,7 +175,7 @@ def test_kernel_and_ufunc_engines_agree(dtype, options, rng, monkeypatch):
     k = rng.standard_normal((1200, 2, 16)).astype(dtype).transpose(1, 0, 2)
     v = rng.standard_normal((2, 16, 1200)).astype(dtype).transpose(0, 2, 1)
     got, got_lse = cuonline.attention(q, k, v, return_lse=True, **options)
-    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    monkeypatch.setattr(cpu_runtime, "use_compiled_kernels", False)
     want, want_lse = cuonline.attention(q, k, v, return_lse=True, **options)
     rtol = 50 * np.finfo(dtype).eps
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
@@ -187,7 +188,7 @@ def test_without_numba_the_ufunc_passes_run(monkeypatch, rng):
     monkeypatch.setitem(sys.modules, "numba", None)       # import numba fails
     monkeypatch.setitem(sys.modules, "cuonline.engines._tile_kernels", None)
     monkeypatch.delattr(cuonline.engines, "_tile_kernels")
-    monkeypatch.setattr(numpy_engine, "_kernels", {})
+    monkeypatch.setattr(cpu_runtime, "compiled_kernels", {})
     q = rng.standard_normal((3, 40, 8)).astype(np.float32)
     with pytest.warns(RuntimeWarning, match="online_softmax_tile for float32 is unavailable"):
         out = cuonline.attention(q, q, q)
@@ -204,11 +205,11 @@ def test_kernel_that_does_not_compile_falls_back(monkeypatch, rng):
         raise RuntimeError("LLVM says no")
 
     monkeypatch.setattr(tk, "compile_for", broken)
-    monkeypatch.setattr(numpy_engine, "_kernels", {})
+    monkeypatch.setattr(cpu_runtime, "compiled_kernels", {})
     q = rng.standard_normal((2, 30, 8))
     with pytest.warns(RuntimeWarning, match="LLVM says no"):
         out = cuonline.attention(q, q, q)
-    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    monkeypatch.setattr(cpu_runtime, "use_compiled_kernels", False)
     np.testing.assert_array_equal(out, cuonline.attention(q, q, q))
 
 
@@ -270,7 +271,7 @@ def test_softmax_rows_match_the_ufunc_passes(name, dtype, rng, monkeypatch):
     strided = x[:, :, ::2]
     np.testing.assert_allclose(fn(strided), fn(np.ascontiguousarray(strided)), rtol=rtol,
                                atol=atol)
-    monkeypatch.setattr(numpy_engine, "_use_kernels", False)
+    monkeypatch.setattr(cpu_runtime, "use_compiled_kernels", False)
     want = fn(x)
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))

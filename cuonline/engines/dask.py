@@ -15,10 +15,12 @@ error is the one the NumPy engine would raise; then a graph is built:
   window, at or past every ``kv_lengths`` of the batch chunk when ``kv_lengths`` is concrete)
   gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``.
 
-:func:`attention_backward` runs the backward pass on the same graph. Each task runs the
-engine of its chunks' library: NumPy chunks the NumPy engine, CuPy chunks
-the CUDA kernels. ``import cuonline`` imports this module but not Dask: Dask is imported on
-the first Dask call.
+:func:`attention_backward` runs the backward pass on the same graph, each task's gradients
+split into one piece per gradient and summed by one tree per gradient. :func:`softmax` is the
+softmax family's graph: blocks map, and a chunked softmax axis merges per-block ``(m, l)``
+states by a fixed tree. Each task runs the engine of its chunks' library: NumPy chunks the
+NumPy engine, CuPy chunks the CUDA kernels. ``import cuonline`` imports this module but not
+Dask: Dask is imported on the first Dask call.
 """
 
 from __future__ import annotations
@@ -28,43 +30,40 @@ import math
 
 import numpy as np
 
-from .. import _validate
-from .._semantics import visible_key_range
+from .. import _lse_check, _options, _validate
+from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
+from .softmax import stats as softmax_stats
 
 __all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is_dask_merge",
-           "merge"]
+           "is_dask_softmax", "merge", "softmax"]
 
 #: Fan-in of the merge tree over key chunks. Fixed, so that the order of the floating-point
 #: merges (and hence the result, to the last bit) is a property of the chunking alone.
 SPLIT_EVERY = 8
 
-# The logical axes of each array argument's trailing dimensions; leading dimensions are batch
-# axes, aligned to the right. "q"/"k": the query/key axis (chunked); "qb"/"kb": the block
-# bias's coarse axes (chunked with the query/key axis); "whole": one chunk (head dimensions,
-# relative tables indexed by distance).
+# The logical axes of each array argument's trailing dimensions, after the batch axes; an
+# argument with fewer dimensions takes the rightmost of them, as NumPy broadcasting does.
+# "q"/"k": the query/key axis (chunked); "qb"/"kb": the block bias's coarse axes (chunked
+# with the query/key axis); "whole": one chunk (head dimensions, relative tables indexed by
+# distance). The array options' layouts are rows of the options table.
 _LAYOUT = {
     "q": ("q", "whole"),
     "k": ("k", "whole"),
     "v": ("k", "whole"),
-    "bias": ("q", "k"),
-    "mask": ("q", "k"),
-    "kv_lengths": (),
-    "alibi_slopes": (),
-    "rel_bias": ("whole",),
-    "rel_q": ("q", "whole"),
-    "rel_k": ("whole", "whole"),
+    **{name: _options.array_layout(name) for name in _options.array_options()},
     # the backward pass's: per query chunk
     "dout": ("q", "whole"),
     "out": ("q", "whole"),
     "lse": ("q",),
 }
-_OPTION_ARRAYS = ("bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k")
+_OPTION_ARRAYS = _options.array_options()
 #: The differentiable arguments and their fields of cuonline.Gradients.
-_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "rel_bias": "drel_bias",
-                "rel_q": "drel_q", "rel_k": "drel_k"}
-# keywords the graph sets per task; every other keyword goes to each task as it came
-_POSITIONAL = ("causal", "window", "q_offset", "k_offset", "return_lse")
+_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", **_options.differentiable_options()}
+# keywords the graph sets per task (the positions, and return_lse); every other keyword goes
+# to each task as it came
+_POSITIONAL = (*(n for n in _options.names() if _options.option_kind(n) == "position"),
+               "return_lse")
 
 
 def _is_dask_array(x) -> bool:
@@ -121,7 +120,8 @@ def attention(chunk_attention, /, q, k, v, **options):
             q_ref = TaskRef(_block_key(plan.arrays["q"], "q", p, b, iq, 0))
             dsk[key] = Task(key, _empty_state, q_ref, shape, p.dv, p.acc_dtype)
             parts.append(key)
-        states[b + (iq,)] = _merge_tree(dsk, merge_name, b + (iq,), parts, Task, TaskRef)
+        states[b + (iq,)] = _reduce_tree(dsk, merge_name, b + (iq,), parts, _merge_group,
+                                         Task, TaskRef)
 
     out, lse = _state_arrays(da, f"cuonline-attention-{plan.token}", dsk,
                              list(plan.arrays.values()), states,
@@ -140,15 +140,16 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     nothing else of the other chunks, so each task's gradients are exact contributions. The
     gradient of an input block is the sum of the contributions of the tasks that read it, in
     a fixed tree (``SPLIT_EVERY``, in task order) in the accumulation dtype; a block no task
-    reads (keys no query sees) gets zeros. Every gradient is a Dask array of its input's shape
-    and chunks, whatever library the input came in.
+    reads (keys no query sees) gets zeros. Each task's gradients are split into one piece per
+    gradient as soon as it ends, and each tree reads only its gradient's pieces, so computing
+    one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
+    of its input's shape and chunks, whatever library the input came in.
     """
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
 
     from .._gradients import Gradients
-    from .._semantics import accumulation_dtype
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     p = _validate_on_stand_ins(arrays, options, _validate.validate_attention_backward).forward
@@ -162,9 +163,15 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
             reads = plan.reads(b, iq, jk)
             dsk[key] = Task(key, _chunk_gradients, chunk_backward, per_task, j0, plan.names,
                             *(TaskRef(r) for r in reads))
+            # one piece per gradient, split off at once: a gradient's sum reads only its own
+            # pieces, so computing one gradient does not keep the others' blocks alive
             for arg, read in zip(plan.names, reads):
                 if arg in _GRADIENT_OF:
-                    readers.setdefault((arg, read), []).append(key)
+                    field = _GRADIENT_OF[arg]
+                    piece = (f"{name}-{field}-piece", *b, iq, jk)
+                    dsk[piece] = Task(piece, _take_gradient, TaskRef(key), field,
+                                      _accumulation_of(p, plan.arrays[arg], arg))
+                    readers.setdefault((arg, read), []).append(piece)
 
     graph = HighLevelGraph.from_collections(f"{name}-state", dsk,
                                             dependencies=list(plan.arrays.values()))
@@ -173,8 +180,7 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
         x = plan.arrays.get(arg)
         if x is None:
             continue
-        dtype = p.dtype if arg in ("q", "k", "v") else np.dtype(x.dtype).newbyteorder("=")
-        acc = accumulation_dtype(dtype)
+        dtype = _gradient_dtype(p, x, arg)
         out_name, layer = f"{name}-{field}", {}
         for index in itertools.product(*(range(n) for n in x.numblocks)):
             block, key = (x.name, *index), (out_name, *index)
@@ -182,12 +188,23 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
             if not parts:
                 layer[key] = Task(key, _zeros_of, TaskRef(block), dtype)
                 continue
-            total = _sum_tree(dsk, f"{name}-sum-{field}", index, parts, field, acc, Task, TaskRef)
+            total = _reduce_tree(dsk, f"{name}-sum-{field}", index, parts, _sum_arrays,
+                                 Task, TaskRef)
             layer[key] = Task(key, _cast, TaskRef(total), dtype)
         gradients[field] = da.Array(
             _with_layer(graph, out_name, layer, f"{name}-state"), out_name, chunks=x.chunks,
             meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
     return Gradients(**{f: gradients.get(f) for f in _GRADIENT_OF.values()})
+
+
+def _gradient_dtype(p, x, arg):
+    """The dtype of the gradient of argument ``arg`` (Dask array ``x``): the inputs' dtype for
+    q, k and v, the argument's own (native byte order) for the others."""
+    return p.dtype if arg in ("q", "k", "v") else np.dtype(x.dtype).newbyteorder("=")
+
+
+def _accumulation_of(p, x, arg):
+    return accumulation_dtype(_gradient_dtype(p, x, arg))
 
 
 class _Plan:
@@ -266,15 +283,7 @@ def _validate_on_stand_ins(arrays, options, validate):
             raise TypeError(f"`{name}` is an array, which the Dask engine cannot chunk; pass "
                             f"it as a scalar or compute the call without Dask arrays")
     arrays = dict(arrays, **{n: options.get(n) for n in _OPTION_ARRAYS})
-    metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in arrays.items()}
-    # mixed libraries and numpy.ma chunks: the errors of the in-memory call
-    xp = _validate.array_namespace(**metas)
-    backend = options.get("backend", "auto")
-    if xp is not np:
-        # CuPy chunks, perhaps on a client without a GPU: check the backend against CuPy
-        # here, validate the rest on NumPy stand-ins; each task checks its own CUDA limits
-        _validate._check_backend(backend, xp)
-        backend = "auto"
+    backend = _stand_in_backend(arrays, options.get("backend", "auto"))
     stand_ins = {}
     for name, x in arrays.items():
         if x is None or (not hasattr(x, "shape") and not _is_dask_array(x)):
@@ -282,12 +291,33 @@ def _validate_on_stand_ins(arrays, options, validate):
         elif name == "kv_lengths" and isinstance(x, np.ndarray):
             stand_ins[name] = x                # small: its values are checked and used
         else:
-            if any(isinstance(n, float) and math.isnan(n) for n in x.shape):
-                raise ValueError(f"`{name}` has unknown chunk sizes (shape {x.shape}); call "
-                                 f"{name}.compute_chunk_sizes() first")
-            stand_ins[name] = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+            stand_ins[name] = _stand_in(x, f"`{name}`", name)
     options = {n: x for n, x in options.items() if n not in _OPTION_ARRAYS}
     return validate(**stand_ins, **dict(options, backend=backend))
+
+
+def _stand_in_backend(arrays, backend):
+    """The backend to validate NumPy stand-ins of ``arrays`` (a dict of the arguments) with.
+
+    Mixed libraries and ``numpy.ma`` chunks raise the errors of the in-memory call. CuPy
+    chunks, perhaps on a client without a GPU: the backend is checked against CuPy here and
+    the rest validated with ``"auto"``; each task checks its own CUDA limits."""
+    xp = _validate.array_namespace(**{n: (x._meta if _is_dask_array(x) else x)
+                                      for n, x in arrays.items()})
+    if xp is np:
+        return backend
+    _validate.check_backend(backend, xp)
+    return "auto"
+
+
+def _stand_in(x, label, name):
+    """A zero-memory NumPy array of ``x``'s shape and dtype; a Dask ``x`` of unknown chunk
+    sizes (after boolean indexing) is a ValueError naming it (``label``; ``name`` in the
+    suggested call)."""
+    if any(isinstance(n, float) and math.isnan(n) for n in x.shape):
+        raise ValueError(f"{label} has unknown chunk sizes (shape {x.shape}); call "
+                         f"{name}.compute_chunk_sizes() first")
+    return np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
 
 
 def _as_dask(da, x):
@@ -332,12 +362,15 @@ def _bounds(chunks):
 
 
 def _axis_kinds(x, name, p):
-    """The logical axis of each dimension of argument ``name``: a batch index or a kind."""
+    """The logical axis of each dimension of argument ``name``: a batch index or a kind.
+
+    Aligned from the right, as NumPy broadcasts: a 1-d ``bias`` of shape ``(Lk,)`` is a key
+    axis and a ``dout`` of shape ``(Dv,)`` a head axis, whatever the lengths."""
     layout = _LAYOUT[name]
     if name == "bias" and p.bias_block is not None:
         layout = ("qb", "kb")
-    n_batch = x.ndim - len(layout)
-    return [len(p.batch_shape) - n_batch + a for a in range(n_batch)] + list(layout)
+    kinds = list(range(len(p.batch_shape))) + list(layout)
+    return kinds[len(kinds) - x.ndim:]
 
 
 def _rechunk(x, name, p, batch_chunks, axis_chunks):
@@ -364,21 +397,21 @@ def _block_key(x, name, p, b, iq, jk):
     return (x.name, *index)
 
 
-def _merge_tree(dsk, name, where, parts, Task, TaskRef):
-    """Add the merge tasks of the states ``parts`` (in key order, fan-in SPLIT_EVERY) to
-    ``dsk``; return the key of the final state."""
+def _reduce_tree(dsk, name, where, parts, combine, Task, TaskRef):
+    """Add to ``dsk`` the tasks that reduce the results ``parts`` with ``combine`` (in order,
+    fan-in SPLIT_EVERY; a group of one passes up as it is); return the key of the result."""
     level = 0
     while len(parts) > 1:
-        merged = []
+        reduced = []
         for g in range(0, len(parts), SPLIT_EVERY):
             group = parts[g:g + SPLIT_EVERY]
             if len(group) == 1:
-                merged.append(group[0])
+                reduced.append(group[0])
                 continue
             key = (name, *where, level, g // SPLIT_EVERY)
-            dsk[key] = Task(key, _merge_group, *(TaskRef(s) for s in group))
-            merged.append(key)
-        parts, level = merged, level + 1
+            dsk[key] = Task(key, combine, *(TaskRef(s) for s in group))
+            reduced.append(key)
+        parts, level = reduced, level + 1
     return parts[0]
 
 
@@ -435,34 +468,13 @@ def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
         lengths = xp.asarray(lengths)
         arrays["kv_lengths"] = xp.where(lengths < 0, lengths, xp.maximum(lengths - j0, 0))
     positional = [arrays.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
-    return chunk_backward(*positional, **arrays, **options)
+    with _lse_check.partial_keys():            # the global lse, this chunk's keys
+        return chunk_backward(*positional, **arrays, **options)
 
 
-def _sum_tree(dsk, name, where, parts, field, acc_dtype, Task, TaskRef):
-    """Add to ``dsk`` the tasks that sum ``field`` of the Gradients ``parts`` (in order, fan-in
-    SPLIT_EVERY, in ``acc_dtype``); return the key of the total."""
-    level, sums = 0, []
-    for g in range(0, len(parts), SPLIT_EVERY):
-        key = (name, *where, level, g // SPLIT_EVERY)
-        dsk[key] = Task(key, _sum_field, field, acc_dtype,
-                        *(TaskRef(x) for x in parts[g:g + SPLIT_EVERY]))
-        sums.append(key)
-    while len(sums) > 1:
-        level, merged = level + 1, []
-        for g in range(0, len(sums), SPLIT_EVERY):
-            key = (name, *where, level, g // SPLIT_EVERY)
-            dsk[key] = Task(key, _sum_arrays, *(TaskRef(x) for x in sums[g:g + SPLIT_EVERY]))
-            merged.append(key)
-        sums = merged
-    return sums[0]
-
-
-def _sum_field(field, acc_dtype, *gradients):
-    total = None
-    for g in gradients:
-        x = getattr(g, field).astype(acc_dtype)
-        total = x if total is None else total + x
-    return total
+def _take_gradient(gradients, field, acc_dtype):
+    """One gradient of a task's Gradients, in the accumulation dtype of the sums."""
+    return getattr(gradients, field).astype(acc_dtype, copy=False)
 
 
 def _sum_arrays(*arrays):
@@ -506,6 +518,145 @@ def _take_lse(state):
 
 
 # --------------------------------------------------------------------------------------------
+# softmax, log_softmax, logsumexp
+
+
+def is_dask_softmax(x, mask=None) -> bool:
+    """Whether ``x`` or ``mask`` of a call of the softmax family is a Dask array."""
+    return _is_dask_array(x) or _is_dask_array(mask)
+
+
+def softmax(chunk_function, /, x, axis=-1, *, mask=None, mode="softmax", keepdims=False,
+            backend="auto"):
+    """``cuonline.softmax``, ``log_softmax`` or ``logsumexp`` (``mode``) on Dask arrays: a
+    Dask array of the result, nothing computed.
+
+    Validated at once on zero-memory stand-ins (the in-memory call's errors). Blocks map
+    along the other axes. Where `axis` is one chunk, each block is one call of
+    ``chunk_function`` (the public function of ``mode``, which the engines cannot import) on
+    its block and `mask` block, so the result is the in-memory call's. Where `axis` is
+    chunked, each block gives its state ``(m, l)`` (the slice's max, ``-inf`` where nothing is
+    visible, and ``sum(exp(x - m))``, in the accumulation dtype); the states of one slice
+    merge exactly, ``m = max m_i``, ``l = sum l_i exp(m_i - m)``, by a tree of fixed fan-in
+    :data:`SPLIT_EVERY` in block order; each block then gives ``exp(x - m) / l`` or
+    ``(x - m) - log(l)`` (``m + log(l)`` for logsumexp), as the NumPy engine does, in the
+    array operations of the chunks' library.
+    """
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+    from dask.task_spec import Task, TaskRef
+
+    backend_checked = _stand_in_backend({"x": x, "mask": mask}, backend)
+    stand_ins = {n: (_stand_in(a, f"`{n}`", n) if hasattr(a, "shape") else a)
+                 for n, a in (("x", x), ("mask", mask))}
+    p = _validate.validate_axis_input(stand_ins["x"], axis, stand_ins["mask"], backend_checked,
+                                      mode=mode, keepdims=keepdims)
+    axis, dtype = p.axis, p.dtype
+    x = _as_dask(da, x)
+    arrays = [x]
+    if mask is not None:
+        arrays.append(da.broadcast_to(_as_dask(da, mask), x.shape).rechunk(x.chunks))
+    name = f"cuonline-{mode.replace('_', '-')}-" + tokenize(
+        *(a.name for a in arrays), axis, mode, p.keepdims, backend,
+        chunk_function.__module__, chunk_function.__qualname__)
+    reduces = mode == "logsumexp"
+    out_chunks = list(x.chunks)
+    if reduces:
+        out_chunks[axis] = (1,)
+
+    dsk = {}
+    others = [range(n) if a != axis else range(1) for a, n in enumerate(x.numblocks)]
+    for other in itertools.product(*others):
+        def reads(j, other=other):
+            index = other[:axis] + (j,) + other[axis + 1:]
+            return index, [TaskRef((a.name, *index)) for a in arrays]
+
+        if x.numblocks[axis] == 1:
+            index, refs = reads(0)
+            key = (name, *index)
+            dsk[key] = Task(key, _softmax_call, chunk_function, mode, axis, True, backend,
+                            *refs)
+            continue
+        parts = []
+        for j in range(x.numblocks[axis]):
+            index, refs = reads(j)
+            key = (f"{name}-state", *index)
+            dsk[key] = Task(key, _softmax_state, axis, *refs)
+            parts.append(key)
+        state = TaskRef(_reduce_tree(dsk, f"{name}-merge", other, parts, _merge_softmax_states,
+                                     Task, TaskRef))
+        if reduces:
+            key = (name, *other)
+            dsk[key] = Task(key, _logsumexp_of_state, dtype, state)
+            continue
+        for j in range(x.numblocks[axis]):
+            index, refs = reads(j)
+            key = (name, *index)
+            dsk[key] = Task(key, _softmax_finish, mode, dtype, state, *refs)
+
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=arrays)
+    result = da.Array(graph, name, chunks=tuple(out_chunks),
+                      meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
+    return result.squeeze(axis) if reduces and not p.keepdims else result
+
+
+def _softmax_call(chunk_function, mode, axis, keepdims, backend, x, mask=None):
+    """The in-memory call on one block whose `axis` is whole."""
+    extra = {"keepdims": keepdims} if mode == "logsumexp" else {}
+    return chunk_function(x, axis, mask=mask, backend=backend, **extra)
+
+
+def _softmax_state(axis, x, mask=None):
+    """``(m, l)`` of a block along `axis` (with keepdims), in the accumulation dtype: ``m``
+    the max of the visible entries (``-inf`` if none), ``l = sum(exp(x - m))``."""
+    xp = _validate.array_namespace(x=x)
+    _, shift, total = softmax_stats(xp, x, axis, mask)
+    # stats shifts a slice with nothing visible by 0 (total 0); its max is -inf, so that a
+    # merge does not scale the other blocks' sums against 0
+    return xp.where(total == 0, -np.inf, shift), total
+
+
+def _merge_softmax_states(*states):
+    """One ``(m, l)`` of the states of consecutive blocks of a slice: ``m = max m_i``,
+    ``l = sum l_i exp(m_i - m)``. A NaN (or, from a ``+inf`` entry, a NaN ``l``) stays NaN."""
+    xp = _validate.array_namespace(m=states[0][0])
+    tops = xp.stack([m for m, _ in states])
+    top = tops.max(axis=0)
+    shift = xp.where(xp.isinf(top), 0, top)        # no -inf - (-inf) where nothing is visible
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = (xp.stack([l for _, l in states]) * xp.exp(tops - shift)).sum(axis=0)
+    return top, total
+
+
+def _finite_shift(top):
+    xp = _validate.array_namespace(m=top)
+    return xp.where(top == -np.inf, 0, top)        # as the NumPy engine: no -inf - (-inf)
+
+
+def _softmax_finish(mode, dtype, state, x, mask=None):
+    """softmax or log_softmax of one block from the merged state of its slices."""
+    xp = _validate.array_namespace(x=x)
+    top, total = state
+    xa = x.astype(top.dtype, copy=False)
+    if mask is not None:
+        xa = xp.where(mask, xa, -np.inf)
+    # a slice with nothing visible has l = 0: divided by (log of) 1, it stays 0 (-inf)
+    norm = xp.where(total == 0, 1, total)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = xa - _finite_shift(top)
+        out = xp.exp(d) / norm if mode == "softmax" else d - xp.log(norm)
+    return out.astype(dtype, copy=False)
+
+
+def _logsumexp_of_state(dtype, state):
+    xp = _validate.array_namespace(m=state[0])
+    top, total = state
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (_finite_shift(top) + xp.log(total)).astype(dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
 # merge
 
 
@@ -525,7 +676,7 @@ def merge(*states):
         for i, x in enumerate(state):
             metas[f"states[{n}][{i}]"] = x._meta if _is_dask_array(x) else x
             if x is not None and hasattr(x, "shape") and hasattr(x, "dtype"):
-                x = np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
+                x = _stand_in(x, f"state {n}: `{('out', 'lse')[i]}`", f"states[{n}][{i}]")
             pair.append(x)
         stand_ins.append(tuple(pair))
     _validate.validate_merge(stand_ins)

@@ -39,7 +39,7 @@ def merge_states(xp, outs, lses):
     top = lse_stack.max(axis=0)                   # M: -inf where nothing is visible
     # a finite shift: no -inf - (-inf) where nothing is visible, no inf - inf at +inf
     top_safe = xp.where(xp.isinf(top), 0, top).astype(acc, copy=False)
-    with _quiet(xp):
+    with ignore_float_errors(xp):
         weights = xp.exp(lse_stack - top_safe)    # (n, ..., Lq), 0 for empty states
         total = weights.sum(axis=0)
         lse = top_safe + xp.log(total)            # -inf where total == 0
@@ -55,7 +55,7 @@ def merge_states(xp, outs, lses):
     return out.astype(outs[0].dtype, copy=False), lse.astype(lses[0].dtype, copy=False)
 
 
-def _quiet(xp):
+def ignore_float_errors(xp):
     errstate = getattr(xp, "errstate", None)
     if errstate is None:                          # CuPy raises no floating-point warnings
         import contextlib

@@ -14,9 +14,12 @@ clamped diagonal), the content part gives ``dQ += dS K`` and ``dK += dS^T Q`` (t
 
 Work: the batch elements are cut into groups that share no gradient slot (an input broadcast
 over batch elements joins them: a bias shared by every head makes one group of all heads), and
-each group is one task on the forward's thread pool. A task walks its batch elements in C
-order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries that may see them in
-tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients. No gradient slot is
+each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A task walks its
+batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
+that may see them in tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients.
+Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
+``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
+(:mod:`cuonline._lse_check`). No gradient slot is
 written by two tasks, and within a task the order of every sum is fixed, so the results are
 bitwise identical for every ``workers`` and every run. Extra memory is a few tiles and one copy
 of a batch element's queries and output gradient per task: never an ``Lq x Lk`` array.
@@ -26,9 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _semantics
+from .. import _lse_check, _semantics
 from .._gradients import Gradients
-from .numpy import _blas_ready, _nonfinite_values, _run, _ScoreTerms, workers
+from .cpu_runtime import run_tasks, workers
+from .numpy_scores import ScorePipeline, blas_ready, skewed, visible_product
 
 # 256 x 256 tiles: the score, P and dS tiles (256 KiB each in float32) stay in L2 while the
 # five matrix products stream through them.
@@ -49,8 +53,12 @@ def attention_backward(bp):
                for name, t in targets.items()}
     n_workers = workers() if p.workers is None else p.workers
     tasks = _plan(p, targets)
-    _run(tasks, lambda task: [_one_batch_element(bp, b, buffers, *task[1:]) for b in task[0]],
-         n_workers)
+    # each row's sum of P and, for rows given lse = -inf, whether the row sees a key: written
+    # by the one task that owns the row's dQ (disjoint rows), checked once all are done
+    sums = _RowSums(p)
+    run_tasks(tasks, lambda task: [_one_batch_element(bp, b, buffers, sums, *task[1:])
+                                   for b in task[0]], n_workers)
+    sums.check(bp)
     # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
     buffers["q"] *= acc.type(p.scale)
     grads = {name: targets[name].finish(buffers[name]) for name in targets}
@@ -134,36 +142,58 @@ def _visible_query_range(j0, j1, p):
 
 
 class _Element:
-    """The per-batch-element data of one task: queries, output gradient, lse and Delta."""
+    """The per-batch-element data of one task: queries, output gradient, lse, Delta and the
+    score pipeline of each query tile."""
 
     def __init__(self, bp, b):
         p = bp.forward
         acc = p.acc_dtype
         self.b = b
-        self.qs = _blas_ready(p.q[b], acc) * acc.type(p.scale)      # (Lq, D), scaled
-        self.do = np.ascontiguousarray(_blas_ready(bp.dout[b], acc))  # (Lq, Dv)
+        self.qs = blas_ready(p.q[b], acc) * acc.type(p.scale)       # (Lq, D), scaled
+        self.do = np.ascontiguousarray(blas_ready(bp.dout[b], acc))   # (Lq, Dv)
         with np.errstate(invalid="ignore", over="ignore"):
             # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
-            self.delta = np.einsum("ij,ij->i", self.do, _blas_ready(bp.out[b], acc))
+            self.delta = np.einsum("ij,ij->i", self.do, blas_ready(bp.out[b], acc))
         lse = np.array(bp.lse[b], dtype=acc)
+        self.dead = lse == -np.inf
         # a row that sees no key (lse = -inf) gets P = exp(s - inf) = 0 everywhere, never
         # exp(-inf - (-inf)) = NaN
         lse[lse == -np.inf] = np.inf
         self.lse = lse
         self.k, self.v = p.k[b], p.v[b]
         self.kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
-        self.slope = None if p.alibi_slopes is None else acc.type(p.alibi_slopes[b])
-        self.terms = {}
+        self._pipelines = {}
 
-    def score_terms(self, p, i0, i1):
-        """The forward's additive terms of queries ``[i0, i1)`` (built once per query tile)."""
-        terms = self.terms.get(i0)
-        if terms is None:
-            terms = self.terms[i0] = _ScoreTerms(p, self.b, i0, i1)
-        return terms
+    def pipeline(self, p, i0, i1):
+        """The score pipeline of queries ``[i0, i1)`` (built once per query tile)."""
+        pipeline = self._pipelines.get(i0)
+        if pipeline is None:
+            pipeline = self._pipelines[i0] = ScorePipeline(p, self.b, i0, i1, self.qs[i0:i1])
+        return pipeline
 
 
-def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=None):
+class _RowSums:
+    """Each row's sum of ``P = exp(s - lse)`` over its keys, to tell an ``lse`` that belongs to
+    other inputs (see :mod:`cuonline._lse_check`)."""
+
+    def __init__(self, p):
+        self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
+        self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
+        self.ones = np.ones(BLOCK_K, dtype=p.acc_dtype)
+
+    def check(self, bp):
+        p = bp.forward
+        lengths = None if p.kv_lengths is None else np.asarray(p.kv_lengths)
+        n_keys = p.lk if lengths is None else lengths[..., None]
+        terms = p.q.shape[-1] + (0 if p.rel_q is None else p.rel_q.shape[-1])
+        products = _lse_check.product_bound(np, p.q, p.k, p.scale, kv_lengths=lengths,
+                                            rel_q=p.rel_q, rel_k=p.rel_k)
+        _lse_check.check_row_sums(np, self.sums, np.broadcast_to(bp.lse, self.sums.shape),
+                                  acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
+                                  products=products, sees_keys=self.sees)
+
+
+def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None):
     """Add batch element ``b``'s gradients into ``buffers`` (the padded gradient arrays):
     ``part`` "kv" (dK, dV), "q" (dQ and the bias-like terms) or "all", over the key block
     starting at ``key_block`` and the query block starting at ``query_block`` (None: all)."""
@@ -179,8 +209,8 @@ def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=N
             continue
         j1 = min(j0 + BLOCK_K, e.kv_len)
         r0, r1 = _visible_query_range(j0, j1, p)
-        k_blk = _blas_ready(e.k[j0:j1], acc)                          # (bk, D)
-        v_blk = _blas_ready(e.v[j0:j1], acc)                          # (bk, Dv)
+        k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
+        v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
         for i0 in range(r0 // BLOCK_Q * BLOCK_Q, r1, BLOCK_Q):
             if query_block is not None and i0 != query_block:
                 continue
@@ -191,92 +221,58 @@ def _one_batch_element(bp, b, buffers, part="all", key_block=None, query_block=N
             if js >= je:
                 continue
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
-            seen = _Visibility(p, e, i0, i1, js, je, kt)
-            prob, ds, ds_content = _tile(p, e, i0, i1, js, je, kt, vt, seen)
+            pipeline = e.pipeline(p, i0, i1)
+            seen = _Visibility(pipeline, js, je, kt)
+            prob, ds, ds_content = _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen)
+            if q_part:                         # this task owns the rows' dQ: their sums too
+                sums.sums[b][i0:i1] += prob @ sums.ones[:je - js]   # BLAS: 4x np.sum's speed
+                if e.dead[i0:i1].any():
+                    sums.sees[b][i0:i1] |= seen().any(axis=1)
             if kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
-                dv[js:je] += _product(prob.T, e.do[i0:i1], seen.transposed)
-                dk[js:je] += _product(ds_content.T, e.qs[i0:i1], seen.transposed)
+                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed)
+                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed)
             if q_part:
-                _bias_gradients(p, e, buffers, slots, ds, i0, i1, js, je)
-                _relative_logit_gradients(p, e, buffers, slots, ds_content, i0, i1, js, je)
-                dq[i0:i1] += _product(ds_content, kt, seen)        # dQ += dS K (scaled later)
+                _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je)
+                _relative_logit_gradients(p, pipeline, buffers, slots, ds_content, i0, js,
+                                          seen)
+                dq[i0:i1] += visible_product(ds_content, kt, seen)  # dQ += dS K (scaled later)
 
 
 class _Visibility:
     """The (n, w) boolean "row may see key" of a tile, computed only when asked (only the paths
-    for non-finite numbers need it)."""
+    for non-finite numbers and rows given lse = -inf need it), and its skew into the layout
+    of the tile's band of distances."""
 
-    def __init__(self, p, e, i0, i1, js, je, kt):
-        self._args = (p, e, i0, i1, js, je, kt)
+    def __init__(self, pipeline, js, je, kt):
+        self._args = (pipeline, js, je, kt)
         self._visible = None
 
     def __call__(self):
         if self._visible is None:
-            self._visible = _scores(*self._args)[0] != -np.inf
+            pipeline, js, je, kt = self._args
+            self._visible = pipeline.visible(js, je, kt)
         return self._visible
 
     def transposed(self):
         return self().T
 
+    def band(self):
+        """(n, n + w - 1): whether row ``i`` sees the distance of band entry ``t`` in this
+        tile (False where no key of the tile lies at that distance from the row)."""
+        n, w = self().shape
+        out = np.zeros((n, n + w - 1), dtype=bool)
+        _skew(out)[...] = self()
+        return out
 
-def _product(a, b, visible):
-    """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see it
-    (``visible()``: where ``a``'s entries are real scores): 0 * NaN must not carry NaN into a
-    gradient that the non-finite number has no path to."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        out = a @ b
-        if np.isfinite(np.sum(out)):
-            return out
-    return _nonfinite_values(a, b, visible, out)
-
-
-def _scores(p, e, i0, i1, js, je, kt):
-    """The forward's logits of the tile, -inf where a row may not see a key, and the tanh of
-    the soft cap (None without one) for its derivative.
-
-    The same terms in the same order as the forward's tile (``engines/numpy.py``), so that
-    ``exp(s - lse)`` is the forward's ``P``.
-    """
-    acc = p.acc_dtype
-    terms = e.score_terms(p, i0, i1)
-    s = e.qs[i0:i1] @ kt.T
-    terms.add_relative_logits(s, js, je)               # + rel_q . rel_k[delta]
-    tanh = None
-    cap = None if p.softcap is None else acc.type(p.softcap)
-    if cap is not None and not p.softcap_bias:
-        tanh = _soft_cap(s, cap)                       # the content score only
-    terms.add_biases(s, js, je)                        # + bias (or block bias) + rel_bias
-    diag = np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)
-    cols = np.arange(js, je)
-    if e.slope is not None:                            # ALiBi: -slope * |i + diag - j|
-        with np.errstate(over="ignore"):
-            s -= e.slope * np.abs(diag[:, None] - cols[None, :]).astype(acc)
-    if cap is not None and p.softcap_bias:
-        tanh = _soft_cap(s, cap)                       # the whole logit
-    left, right = p.window
-    if left is not None and js < diag[-1] - left:
-        np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
-    if right is not None and je - 1 > diag[0] + right:
-        np.copyto(s, -np.inf, where=cols[None, :] > (diag + right)[:, None])
-    if p.mask is not None:
-        np.copyto(s, -np.inf, where=~p.mask[e.b][i0:i1, js:je])
-    return s, tanh
+    def band_transposed(self):
+        return self.band().T
 
 
-def _soft_cap(s, cap):
-    """``s = cap * tanh(s / cap)`` in place, as the forward computes it; returns the tanh."""
-    s /= cap
-    np.tanh(s, out=s)
-    tanh = s.copy()
-    s *= cap
-    return tanh
-
-
-def _tile(p, e, i0, i1, js, je, kt, vt, seen):
+def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen):
     """One tile's ``(P, dS, dS_content)``: the probabilities, the gradient of the logit and the
     gradient of the content score (they differ only under a soft cap of the content score)."""
-    s, tanh = _scores(p, e, i0, i1, js, je, kt)
+    s, tanh = pipeline.logits(js, je, kt, tanh=True)
     # P = exp(s - lse): s becomes P
     with np.errstate(invalid="ignore"):
         s -= e.lse[i0:i1, None]
@@ -321,49 +317,45 @@ def _add_tail(buffer, slot, g, starts):
     region[tuple(index)] += g
 
 
-def _bias_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
+def _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je):
     """The gradients of ``bias`` (or the block bias) and ``rel_bias`` from the tile's ``dS``."""
     if p.bias is not None and p.bias_block is None:
         _add_tail(buffers["bias"], slots["bias"], ds, (i0, js))
     elif p.bias is not None:
         # bias[I, J] is added to every score of block (I, J): its gradient is the block's sum
         r, c = p.bias_block
-        rows = np.unique(np.r_[0, np.arange(-i0 % r, i1 - i0, r)])   # tile rows starting a block
+        rows = np.unique(np.r_[0, np.arange(-i0 % r, ds.shape[0], r)])  # rows starting a block
         cols = np.unique(np.r_[0, np.arange(-js % c, je - js, c)])
         g = np.add.reduceat(np.add.reduceat(ds, rows, axis=0), cols, axis=1)
         _add_tail(buffers["bias"], slots["bias"], g, (i0 // r, js // c))
     if p.rel_bias is not None:
-        terms = e.score_terms(p, i0, i1)
         # rel_bias[rb + clip(delta)] is added along each diagonal of the tile: sum dS along
         # the diagonals (band entry t = (j - js) - (i - i0) + n - 1), then by table entry
-        index = terms._band(js, je, p.rel_bias_radius)
+        index = pipeline.band_index(js, je, p.rel_bias_radius)
         _scatter(buffers["rel_bias"], slots["rel_bias"], index, _diagonal_sums(ds))
 
 
-def _relative_logit_gradients(p, e, buffers, slots, ds, i0, i1, js, je):
+def _relative_logit_gradients(p, pipeline, buffers, slots, ds, i0, js, seen):
     """``rel_q`` and ``rel_k`` gradients of the term ``rel_q[i] . rel_k[rk + clip(delta)]``."""
     if p.rel_q is None:
         return
-    acc = p.acc_dtype
     n, w = ds.shape
-    terms = e.score_terms(p, i0, i1)
-    index = terms._band(js, je, p.rel_k_radius)              # (nb,) table entries
-    band = _blas_ready(p.rel_k[e.b][index], acc)                     # (nb, Dr)
+    index, band = pipeline.relative_band(js, js + w)                 # (nb,), (nb, Dr)
+    band = blas_ready(band, p.acc_dtype)
     # the forward adds products[i, t] = rel_q[i] . band[t] at t = (j - js) - (i - i0) + n - 1:
-    # the gradient of the (n, nb) products is dS skewed into that layout, zero elsewhere
-    g = np.zeros((n, n + w - 1), dtype=acc)
+    # the gradient of the (n, nb) products is dS skewed into that layout, zero elsewhere. A
+    # table row no seen place uses (NaN there is allowed) must not reach the other gradient.
+    g = np.zeros((n, n + w - 1), dtype=p.acc_dtype)
     _skew(g)[...] = ds
-    _add_tail(buffers["rel_q"], slots["rel_q"], g @ band, (i0, 0))
-    _scatter(buffers["rel_k"], slots["rel_k"], index, g.T @ terms.rel_q)
+    _add_tail(buffers["rel_q"], slots["rel_q"], visible_product(g, band, seen.band), (i0, 0))
+    _scatter(buffers["rel_k"], slots["rel_k"], index,
+             visible_product(g.T, pipeline.rel_q, seen.band_transposed))
 
 
 def _skew(g):
     """The writable (n, w) view ``v[i, j] = g[i, j - i + n - 1]`` of an (n, n + w - 1) ``g``."""
     n, nb = g.shape
-    flat = g.reshape(-1)
-    item = flat.itemsize
-    return np.lib.stride_tricks.as_strided(flat[n - 1:], shape=(n, nb - n + 1),
-                                           strides=((nb - 1) * item, item))
+    return skewed(g.reshape(-1), n, nb - 1, nb - n + 1, writeable=True)
 
 
 def _diagonal_sums(ds):

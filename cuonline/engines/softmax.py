@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _semantics
-from .merge import _quiet
+from .merge import ignore_float_errors
 
 
 def stats(xp, x, axis, mask):
@@ -34,7 +34,7 @@ def _stats(xp, x, axis, mask, keep_exp):
         return xa.copy(), zeros, zeros, xa.copy()
     top = xa.max(axis=axis, keepdims=True)
     shift = xp.where(top == -xp.inf, 0, top).astype(acc, copy=False)  # no -inf - (-inf)
-    with _quiet(xp):                      # a +inf entry gives inf - inf = NaN, as documented
+    with ignore_float_errors(xp):                      # a +inf entry gives inf - inf = NaN, as documented
         d = xa - shift
         e = xp.exp(d)
         total = e.sum(axis=axis, keepdims=True)
@@ -48,9 +48,9 @@ def _fast(xp, x, axis, mask, mode):
             or not x.dtype.isnative or axis not in (-1, x.ndim - 1)
             or not x.flags.c_contiguous or x.size == 0):
         return None
-    from .numpy import _tile_kernel       # compiled on first use; None: the ufunc passes
+    from .cpu_runtime import tile_kernel  # compiled on first use; None: the ufunc passes
 
-    kernel = _tile_kernel(x.dtype, "softmax_rows")
+    kernel = tile_kernel(x.dtype, "softmax_rows")
     if kernel is None:
         return None
     rows = x.reshape(-1, x.shape[-1])
@@ -64,7 +64,7 @@ def logsumexp(xp, x, axis, mask, keepdims):
     if out is not None:
         return out if keepdims else out.squeeze(-1)
     _, shift, total = stats(xp, x, axis, mask)
-    with _quiet(xp):
+    with ignore_float_errors(xp):
         out = shift + xp.log(total)
     if not keepdims:
         out = out.squeeze(axis)
@@ -76,7 +76,7 @@ def softmax(xp, x, axis, mask):
     if out is not None:
         return out
     _, _, total, e = _stats(xp, x, axis, mask, keep_exp=True)
-    with _quiet(xp):
+    with ignore_float_errors(xp):
         # a slice with nothing visible has e = 0 and total = 0: divided by 1 it stays 0
         e /= xp.where(total == 0, 1, total)
     return e.astype(x.dtype, copy=False)
@@ -87,7 +87,7 @@ def log_softmax(xp, x, axis, mask):
     if out is not None:
         return out
     d, _, total = stats(xp, x, axis, mask)
-    with _quiet(xp):
+    with ignore_float_errors(xp):
         # (x - m) first: x - m is exact near the max, and log(total) <= log(n) is small, so
         # the result is a few ulp; x - (m + log(total)) would round m + log(total) at the
         # magnitude of m (ulp(1e4) ~ 1e-3 in float32) and lose it all. A slice with nothing

@@ -417,7 +417,9 @@ def _declaration_end(source: str, pos: int, skipped) -> int | None:
 
 def _declarator_names(decl: str) -> list[str]:
     """Names declared by ``float a[4][N], b`` (the text after ``__shared__``)."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for c in decl:
         if c in "([{<":
             depth += 1
@@ -739,18 +741,14 @@ class EmulatedModule:
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        dims = (int(value),)
-    elif isinstance(value, tuple) and 1 <= len(value) <= 3:
-        dims = tuple(int(v) if isinstance(v, (int, np.integer)) else None for v in value)
-        if None in dims or any(isinstance(v, bool) for v in value):
-            raise TypeError(f"{what} must be an int or a tuple of 1-3 ints, got {value!r}")
-    else:
+    values = value if isinstance(value, tuple) else (value,)
+    if not 1 <= len(values) <= 3 or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{what} must be an int or a tuple of 1-3 ints, got {value!r}")
-    dims = dims + (1,) * (3 - len(dims))
-    if any(d < 1 for d in dims):
+    x, y, z = (*(int(v) for v in values), 1, 1)[:3]
+    if min(x, y, z) < 1:
         raise ValueError(f"{what} dimensions must be >= 1, got {value!r}")
-    return dims
+    return x, y, z
 
 
 class EmulatedKernel:

@@ -23,8 +23,8 @@ from ..kernels import families, source
 from ..kernels.heuristics import DEFAULT_ARCH, arch_number
 
 __all__ = ["CompileReport", "NvrtcUnavailable", "arch_unavailable", "compile_options",
-           "compile_ptx", "compile_source", "compile_spec", "cuda_include_dir", "listing",
-           "nvrtc_available"]
+           "compile_ptx", "compile_source", "compile_spec", "compiler", "cuda_include_dir",
+           "listing", "nvrtc_available"]
 
 #: The archs the compile tests cover: V100 (sm_70) and T4 (sm_75) run the SIMT and softmax
 #: families only, A100 (sm_80) and H100/H200 (sm_90) every family.
@@ -232,10 +232,10 @@ class _CtypesBackend:
 
 
 _BACKEND = None
-_FALLBACK = []   # [] not looked for yet, [None] none installed, [backend]
+_FALLBACK: list = []   # [] not looked for yet, [None] none installed, [backend]
 
 
-def _backend(arch: str | None = None):
+def compiler(arch: str | None = None):
     """The NVRTC that compiles for ``arch`` (None: the default one); raises NvrtcUnavailable."""
     global _BACKEND
     if _BACKEND is None:
@@ -265,7 +265,7 @@ def _backend(arch: str | None = None):
 
 def nvrtc_available() -> bool:
     try:
-        _backend()
+        compiler()
     except NvrtcUnavailable:
         return False
     return cuda_include_dir() is not None
@@ -274,7 +274,7 @@ def nvrtc_available() -> bool:
 def arch_unavailable(arch: str) -> str | None:
     """Why variants cannot be compiled for ``arch`` here, or None when they can."""
     try:
-        backend = _backend(arch)
+        backend = compiler(arch)
     except NvrtcUnavailable as exc:
         return str(exc)
     if (backend.include or cuda_include_dir()) is None:
@@ -336,7 +336,7 @@ def parse_ptxas_log(log: str) -> tuple:
 
 def compile_source(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") -> tuple:
     """Compile ``text`` for ``arch``; return ``(log, seconds)``; raise RuntimeError on errors."""
-    backend = _backend(arch)
+    backend = compiler(arch)
     t0 = time.perf_counter()
     ok, log, _ = backend.compile(text, name, _offline_options(arch, backend.include))
     seconds = time.perf_counter() - t0
@@ -351,7 +351,7 @@ def compile_ptx(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") ->
     The PTX is the text ptxas assembled (``log`` holds its ``-v`` report): tests read it to
     check which instructions a kernel really issues. Raises RuntimeError on compile errors.
     """
-    backend = _backend(arch)
+    backend = compiler(arch)
     ok, log, ptx = backend.compile(text, name, _offline_options(arch, backend.include),
                                    output="ptx")
     if not ok:

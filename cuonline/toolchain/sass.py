@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ..kernels import families, source
 from . import nvrtc
@@ -61,12 +62,12 @@ def compile_cubin(text: str, arch: str = "sm_90", *, name: str = "cuonline.cu") 
     CuPy's ``getCUBIN`` returns the image one byte short (CuPy 14, read as a C string); the
     ELF header says how long the image is, and the missing tail is zero-filled here.
     """
-    ok, log, cubin = nvrtc._backend().compile(text, name, nvrtc.compile_options(arch))
+    ok, log, cubin = nvrtc.compiler().compile(text, name, nvrtc.compile_options(arch))
     if not ok:
         raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}")
     cubin = bytes(cubin)
     if cubin[:4] == b"\x7fELF" and len(cubin) >= 64:
-        le = "little"
+        le: Literal["little"] = "little"
         end = max(int.from_bytes(cubin[40:48], le) +  # section headers: offset + count * size
                   int.from_bytes(cubin[60:62], le) * int.from_bytes(cubin[58:60], le),
                   int.from_bytes(cubin[32:40], le) +  # program headers: offset + count * size

@@ -1,0 +1,234 @@
+"""The CPU engines' runtime: threads, BLAS's thread count, fork safety, compiled tile kernels.
+
+Shared by the NumPy forward (:mod:`.numpy`), its backward (:mod:`.numpy_backward`) and the
+softmax family (:mod:`.softmax`); nothing here knows what a task computes.
+
+* :func:`workers`: the cores this process may run on (the thread count of ``workers=None``);
+* :func:`run_tasks`: ``[fn(t) for t in tasks]`` on a shared thread pool, BLAS held to one
+  thread meanwhile, results independent of the thread count;
+* :func:`tile_kernel`: a compiled kernel of :mod:`._tile_kernels` (numba), or None where it
+  is unavailable (the engines then run their ufunc passes); ``use_compiled_kernels = False``
+  forces the ufunc passes and ``compiled_kernels`` holds what was compiled (tests set both).
+
+The pool's threads and BLAS's limit do not survive ``os.fork()``: a child starts afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+__all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels"]
+
+
+def workers() -> int:
+    """Number of CPU cores this process may run on: the thread count of ``workers=None``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def run_tasks(tasks, fn, n_workers):
+    """``[fn(t) for t in tasks]`` on ``min(n_workers, len(tasks))`` threads.
+
+    A single task runs in the calling thread with BLAS as the user set it (its matrix products
+    are the only parallel work there is). Several tasks run with BLAS held to one thread, on
+    any number of workers alike, so results do not depend on ``n_workers``: one worker runs
+    them in the calling thread; ``n`` workers are the calling thread and ``n - 1`` threads of
+    the shared pool, pulling tasks from one queue. The caller always works too, so a call
+    progresses even while concurrent calls fill the pool, and each call runs on at most ``n``
+    threads whatever the pool's size.
+    """
+    if len(tasks) < 2:
+        return [fn(t) for t in tasks]
+    n = min(n_workers, len(tasks))
+    with _single_threaded_blas():
+        if n == 1:
+            return [fn(t) for t in tasks]
+        batch = _Batch(tasks, fn)
+        _submit(batch.drain, n - 1)
+        try:
+            batch.drain()
+            batch.done.wait()
+        finally:
+            batch.stop()                       # interrupted: the pool takes no further task
+    if batch.error is not None:
+        raise batch.error
+    return batch.results
+
+
+class _Batch:
+    """The tasks of one call, handed out one at a time to whichever thread asks first."""
+
+    def __init__(self, tasks, fn):
+        self.tasks, self.fn = tasks, fn
+        self.results = [None] * len(tasks)
+        self.error = None
+        self.done = threading.Event()          # set when no task is left or running
+        self._lock = threading.Lock()
+        self._next = 0
+        self._running = 0
+
+    def stop(self):
+        with self._lock:
+            self._next = len(self.tasks)
+
+    def drain(self):
+        while True:
+            with self._lock:
+                if self.error is not None or self._next == len(self.tasks):
+                    if self._running == 0:
+                        self.done.set()
+                    return
+                i = self._next
+                self._next += 1
+                self._running += 1
+            try:
+                self.results[i] = self.fn(self.tasks[i])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                with self._lock:
+                    self.error = self.error or exc
+            with self._lock:
+                self._running -= 1
+
+
+# The pool is shared by all calls and grows to the largest thread count asked for. Its threads
+# do not survive os.fork(), so a child starts with none (see _after_fork).
+_pool = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _submit(job, count):
+    """Run ``job`` on ``count`` pool threads (without waiting for it)."""
+    global _pool, _pool_size
+    # submitting under the lock: a pool being replaced by a larger one is shut down, and a
+    # shut-down pool refuses new jobs (its queued and running jobs still finish)
+    with _pool_lock:
+        if _pool is None or _pool_size < count:
+            old = _pool
+            _pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuonline")
+            _pool_size = count
+            if old is not None:
+                old.shutdown(wait=False)
+        for _ in range(count):
+            _pool.submit(job)
+
+
+# BLAS holds one process-wide thread count. Each call entering and leaving its own
+# threadpool_limits would interleave (A saves N and sets 1, B saves 1, A restores N, B
+# "restores" 1: the user's N is lost), so calls share one limit: the first call in sets it,
+# the last one out restores it. Both happen on one helper thread because threadpoolctl (3.8+)
+# lets only the thread that set OpenBLAS's limit change it again.
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
+_blas_thread = None
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    _blas_enter()
+    try:
+        yield
+    finally:
+        _blas_exit()
+
+
+def _blas_enter():
+    global _blas_users, _blas_limiter, _blas_thread
+    with _blas_lock:
+        if _blas_users == 0:
+            if _blas_thread is None:
+                _blas_thread = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="cuonline-blas")
+            _blas_limiter = _blas_thread.submit(_limit_blas).result()
+        _blas_users += 1
+
+
+def _blas_exit():
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        _blas_users -= 1
+        if _blas_users == 0:
+            limiter, _blas_limiter = _blas_limiter, None
+            _blas_thread.submit(limiter.__exit__, None, None, None).result()
+
+
+_blas_controller = None
+
+
+def _limit_blas():
+    global _blas_controller
+    if _blas_controller is None:
+        # found once: a ThreadpoolController scans the loaded libraries (about 1 ms)
+        from threadpoolctl import ThreadpoolController
+
+        _blas_controller = ThreadpoolController().select(user_api="blas")
+    limiter = _blas_controller.limit(limits=1)
+    limiter.__enter__()                        # left in _blas_exit, on this same thread
+    return limiter
+
+
+def _after_fork():
+    """In a child of os.fork(): forget the parent's threads and locks (they are not copied; a
+    pool that believes it has idle threads would wait for them forever)."""
+    global _pool, _pool_size, _pool_lock, _blas_lock, _blas_users, _blas_limiter, _blas_thread
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+    limiter = _blas_limiter
+    _blas_lock, _blas_users, _blas_limiter, _blas_thread = threading.Lock(), 0, None, None
+    if limiter is not None:
+        # forked while a call in another thread held BLAS at one thread: give the child the
+        # user's count back, from a thread of its own as in _blas_exit
+        restore = threading.Thread(target=limiter.__exit__, args=(None, None, None))
+        restore.start()
+        restore.join()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+# The compiled kernels (numba) by (name, dtype): the kernel, or None where numba is missing or
+# the kernel does not compile here (the engines then run their ufunc passes, after one warning).
+compiled_kernels: dict = {}
+_kernels_lock = threading.Lock()
+# False forces the ufunc passes (tests compare the two)
+use_compiled_kernels = True
+
+
+def tile_kernel(dtype, name="online_softmax_tile"):
+    """The compiled kernel ``name`` of :mod:`._tile_kernels` for ``dtype``, or None.
+
+    Imported and compiled on first use (so ``import cuonline`` imports no numba, about 0.3 s;
+    compiled code is cached on disk by numba across processes).
+    """
+    if not use_compiled_kernels:
+        return None
+    key = (name, np.dtype(dtype))
+    kernel = compiled_kernels.get(key, False)
+    if kernel is False:
+        with _kernels_lock:
+            if key not in compiled_kernels:
+                compiled_kernels[key] = _compile(*key)
+            kernel = compiled_kernels[key]
+    return kernel
+
+
+def _compile(name, dtype):
+    try:
+        from . import _tile_kernels
+
+        return _tile_kernels.compile_for(name, dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure to import or compile: the ufuncs
+        import warnings
+
+        warnings.warn(f"cuonline: the compiled kernel {name} for {dtype} is unavailable "
+                      f"({type(exc).__name__}: {exc}); the NumPy engine runs its ufunc passes "
+                      f"instead (slower, same results)", RuntimeWarning, stacklevel=3)
+        return None

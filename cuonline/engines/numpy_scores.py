@@ -1,0 +1,268 @@
+"""The NumPy score pipeline: one batch element's logits, tile by tile, for forward and backward.
+
+The NumPy twin of ``kernels_cu/attention_score.cuh``. For the queries ``[i0, i1)`` of batch
+element ``b`` and a key tile ``[js, je)``, :meth:`ScorePipeline.logits` returns every term of
+the documented order (docs/semantics.md), in the accumulation dtype and natural units:
+
+    content    scale * q . k                      (BLAS; a broadcast head dimension in slices)
+             + rel_q[i] . rel_k[rk + clip(delta)]  (one band of distances per tile)
+    soft cap   of the content alone               (softcap without softcap_bias)
+             + bias (or block bias) + rel_bias[rb + clip(delta)]
+             - slope * |delta|                     (ALiBi)
+    soft cap   of the whole logit                 (softcap_bias)
+    masking    -inf outside the window band and where ``mask`` is False
+
+with ``delta = j - (i + diag)``. The forward (:mod:`.numpy`) and the backward
+(:mod:`.numpy_backward`) both call it, so the backward's ``exp(s - lse)`` is the forward's P.
+The backward also takes from it the tanh of the soft cap (its derivative), the table entries
+of a tile's distances (:meth:`ScorePipeline.band_index`) and the visibility of a tile.
+
+Beside it, the tile helpers both passes share: :func:`blas_ready` (a layout BLAS takes),
+:func:`visible_product` (a product where NaN or inf reaches only the rows that see it),
+:func:`soft_cap` and :func:`skewed` (the Toeplitz view of a band).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ScorePipeline", "blas_ready", "visible_product", "soft_cap", "skewed",
+           "REL_ROWS", "SLICE_BYTES"]
+
+# Query rows per product of the relative logits (see ScorePipeline.add_relative_logits).
+REL_ROWS = 64
+# A broadcast (zero-stride) operand whose copy would exceed this many bytes is multiplied in
+# slices of its last axis, copying one slice at a time (D = 2**24 broadcast from one element).
+SLICE_BYTES = 1 << 22
+
+
+class ScorePipeline:
+    """The logits of queries ``[i0, i1)`` of batch element ``b`` of the problem ``p``.
+
+    ``queries``: the scaled, BLAS-ready ``(n, D)`` query block when the caller has it (the
+    backward keeps a batch element's); None: made here from ``p.q``.
+
+    The relative terms depend on the distance ``delta = j - (i + diag)`` only. For ``n``
+    queries and a tile of ``w`` keys the distances form one band of ``n + w - 1`` values,
+    ``delta = dmin + t`` with ``dmin = js - (i0 + diag + n - 1)``, and tile place ``(i, j)`` is
+    band entry ``t = (j - js) - (i - i0) + n - 1``: a skewed (Toeplitz) view of the band, with
+    strides ``(-1, 1)`` over a vector (``rel_bias``) or ``(nb - 1, 1)`` over the ``(n, nb)``
+    products ``rel_q @ band.T`` (``rel_q``/``rel_k``), so neither term is gathered per score.
+    """
+
+    def __init__(self, p, b, i0, i1, queries=None):
+        acc = p.acc_dtype
+        self.acc = acc
+        self.n = i1 - i0
+        self.scale = acc.type(p.scale)
+        self._keys = p.k[b]
+        self._query_view = p.q[b][i0:i1]
+        if queries is None and not _copy_is_large(self._query_view, acc):
+            queries = blas_ready(self._query_view, acc) * self.scale
+        self.queries = queries                 # None: products in slices of D
+        self.first_diag = i0 + p.diagonal_offset             # key facing query i0
+        self.diag = np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)
+        self.left, self.right = p.window
+        self.cap = None if p.softcap is None else acc.type(p.softcap)
+        self.cap_whole_logit = p.softcap_bias
+        self.slope = None if p.alibi_slopes is None else acc.type(p.alibi_slopes[b])
+        self.mask = None if p.mask is None else p.mask[b][i0:i1]
+        self.block = p.bias_block
+        self.bias = None
+        if p.bias is not None and self.block is None:
+            self.bias = p.bias[b][i0:i1]                    # (n, Lk), a view
+        elif p.bias is not None:
+            # the coarse rows of these queries, (n, ceil(Lk / c)): small, gathered once
+            self.bias = p.bias[b][np.arange(i0, i1) // self.block[0]]
+        self.rel_bias = None if p.rel_bias is None else p.rel_bias[b]
+        self.rel_q = None if p.rel_q is None else blas_ready(p.rel_q[b][i0:i1], acc)
+        self.rel_k = None if p.rel_k is None else p.rel_k[b]
+        self.rb, self.rk = p.rel_bias_radius, p.rel_k_radius
+
+    # ----------------------------------------------------------------------------------------
+    # the logits
+
+    def logits(self, js, je, keys=None, *, window=True, tanh=False):
+        """The ``(n, je - js)`` logits of keys ``[js, je)``, -inf where a row may not see a key.
+
+        ``keys``: the BLAS-ready key tile when the caller has it (else read from ``p.k``).
+        ``window=False`` leaves out the window band's -inf (the compiled kernel takes it from
+        :meth:`window_columns`). ``tanh=True`` returns ``(s, t)`` with ``t`` the tanh of the
+        soft cap, for its derivative ``1 - t**2`` (None without a soft cap).
+        """
+        s = self._content(js, je, keys)
+        self.add_relative_logits(s, js, je)         # + rel_q . rel_k[delta]
+        t = None
+        if self.cap is not None and not self.cap_whole_logit:
+            t = soft_cap(s, self.cap, tanh)         # the content score only
+        self.add_biases(s, js, je)                  # + bias (or block bias) + rel_bias[delta]
+        cols = np.arange(js, je)                    # key indices of this tile
+        if self.slope is not None:                  # ALiBi: -slope * |i + diag - j|
+            with np.errstate(over="ignore"):    # a term beyond the range: -inf
+                s -= self.slope * np.abs(self.diag[:, None] - cols[None, :]).astype(self.acc)
+        if self.cap is not None and self.cap_whole_logit:
+            t = soft_cap(s, self.cap, tanh)         # the whole logit (AlphaGenome)
+        # masking: the window band only where this tile crosses its edge
+        diag, left, right = self.diag, self.left, self.right
+        if window and left is not None and js < diag[-1] - left:
+            np.copyto(s, -np.inf, where=cols[None, :] < (diag - left)[:, None])
+        if window and right is not None and je - 1 > diag[0] + right:
+            np.copyto(s, -np.inf, where=cols[None, :] > (diag + right)[:, None])
+        if self.mask is not None:
+            np.copyto(s, -np.inf, where=~self.mask[:, js:je])
+        return (s, t) if tanh else s
+
+    def visible(self, js, je, keys=None):
+        """The ``(n, je - js)`` boolean "row may see key": logits that are not -inf
+        (recomputed: only the paths for non-finite numbers ask)."""
+        return self.logits(js, je, keys) != -np.inf
+
+    def window_columns(self, js, width):
+        """``(lo, hi)``: row ``i`` sees the tile's columns ``[lo[i], hi[i])`` of a tile of
+        ``width`` keys from ``js`` by the window band alone (int64, not clipped)."""
+        lo = (np.zeros(self.n, dtype=np.int64) if self.left is None
+              else self.diag - self.left - js)
+        hi = (np.full(self.n, width, dtype=np.int64) if self.right is None
+              else self.diag + self.right + 1 - js)
+        return lo, hi
+
+    def _content(self, js, je, keys):
+        """``scale * q . k`` of the tile: (n, je - js)."""
+        if keys is not None:
+            return self.queries @ keys.T
+        k = self._keys[js:je]
+        if self.queries is None or _copy_is_large(k, self.acc):
+            return _sliced_product(self._query_view, k, self.acc, self.scale)
+        return self.queries @ blas_ready(k, self.acc).T
+
+    # ----------------------------------------------------------------------------------------
+    # the terms
+
+    def band_index(self, js, je, radius):
+        """Table entries ``radius + clip(delta, -radius, radius)`` of the distances of the
+        ``n`` rows and keys ``[js, je)``: ``n + (je - js) - 1`` of them, the smallest distance
+        first."""
+        dmin = js - (self.first_diag + self.n - 1)
+        delta = np.arange(dmin, dmin + self.n + (je - js) - 1, dtype=np.int64)
+        return radius + np.clip(delta, -radius, radius)
+
+    def relative_band(self, js, je):
+        """``(index, band)``: the ``rel_k`` entries of the tile's distances and the rows of the
+        table there, ``(n + w - 1, Dr)``: a slice where no distance is clamped (a table of
+        ``2 L - 1`` rows), else gathered."""
+        index = self.band_index(js, je, self.rk)
+        if index[-1] - index[0] == index.size - 1:
+            return index, self.rel_k[index[0]:index[-1] + 1]
+        return index, self.rel_k[index]
+
+    def add_relative_logits(self, s, js, je):
+        """``s += rel_q[i] . rel_k[rk + clip(delta)]`` (a no-op without the term).
+
+        Rows go in groups of REL_ROWS: the band of a group of ``g`` rows has ``g + w - 1``
+        distances, so the products cost ``(g + w - 1) / w`` times the term's own work (1.1 for
+        64 rows against 512 keys, where the whole 256-row block would cost 1.5).
+        """
+        if self.rel_q is None:
+            return
+        w = je - js
+        _, band = self.relative_band(js, je)
+        band_t = blas_ready(band, self.acc).T                              # (Dr, n + w - 1)
+        for r0 in range(0, self.n, REL_ROWS):
+            r1 = min(r0 + REL_ROWS, self.n)
+            g = r1 - r0
+            products = self.rel_q[r0:r1] @ band_t[:, self.n - r1:self.n - r1 + g + w - 1]
+            s[r0:r1] += skewed(products.reshape(-1), g, products.shape[1] - 1, w)
+
+    def add_biases(self, s, js, je):
+        """``s += bias[i, j]`` (or ``bias[i // r, j // c]``) ``+ rel_bias[rb + clip(delta)]``."""
+        if self.bias is not None:
+            if self.block is None:
+                s += self.bias[:, js:je]
+            elif js % self.block[1] == 0 and (je - js) % self.block[1] == 0:
+                # whole column blocks (every tile but a tail): a broadcast add, no gather
+                c = self.block[1]
+                s.reshape(self.n, -1, c)[...] += self.bias[:, js // c:je // c, None]
+            else:
+                s += np.take(self.bias, np.arange(js, je) // self.block[1], axis=1)
+        if self.rel_bias is not None:
+            band = np.ascontiguousarray(self.rel_bias[self.band_index(js, je, self.rb)])
+            s += skewed(band, self.n, -1, je - js)
+
+
+def skewed(flat, rows, row_step, w, writeable=False):
+    """The ``(rows, w)`` view ``v[i, j] = flat[i * row_step + j + rows - 1]`` of a 1-d
+    ``flat``: a band read (or, ``writeable``, written) as the tile it covers."""
+    item = flat.itemsize
+    return np.lib.stride_tricks.as_strided(flat[rows - 1:], shape=(rows, w),
+                                           strides=(row_step * item, item),
+                                           writeable=writeable)
+
+
+def soft_cap(s, cap, keep_tanh=False):
+    """``s = cap * tanh(s / cap)`` in place; returns a copy of the tanh when ``keep_tanh``."""
+    s /= cap
+    np.tanh(s, out=s)
+    tanh = s.copy() if keep_tanh else None
+    s *= cap
+    return tanh
+
+
+def visible_product(a, b, visible):
+    """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see
+    it: 0 * NaN must not carry NaN into a result that the non-finite number has no path to.
+
+    ``a``: (n, k) weights (0 where not visible); ``b``: (k, m); ``visible()``: the (n, k)
+    boolean of the places that are seen (asked only when the plain product is not finite).
+    One reduction over the small product (not over ``b``) keeps the plain matmul for finite
+    operands; otherwise the non-finite rows of ``b`` are zeroed for the matmul and their exact
+    contribution added where seen (there, 0 * inf is NaN as the naive formula gives).
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = a @ b
+        if np.isfinite(np.sum(out)):
+            return out
+        bad = np.flatnonzero(~np.isfinite(b).all(axis=1))
+    if bad.size == 0:
+        return out                 # the product overflowed, or a has NaN: as it is
+    seen_bad = visible()[:, bad]                                     # (n, n_bad)
+    b_bad = b[bad]
+    b = b.copy()
+    b[bad] = 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        part = np.where(seen_bad[:, :, None], a[:, bad, None] * b_bad[None], 0)
+        return a @ b + part.sum(axis=1)
+
+
+def blas_ready(x, dtype):
+    """``x`` as ``dtype`` in a layout BLAS takes without NumPy's slow fallback loop.
+
+    ``x`` is one tile of one batch element: batch broadcasts were indexed away by the caller,
+    so a copy here, for a zero-stride (broadcast) row or column axis, a strided view or another
+    dtype, is bounded by the tile (a broadcast head dimension larger than SLICE_BYTES is
+    multiplied in slices instead, see ScorePipeline).
+    """
+    if x.dtype != dtype:
+        return x.astype(dtype, order="C")
+    if x.flags.c_contiguous or x.flags.f_contiguous:
+        return x
+    return np.ascontiguousarray(x)
+
+
+def _copy_is_large(x, dtype):
+    """True when :func:`blas_ready` would copy the broadcast view ``x`` into more than
+    SLICE_BYTES: memory of the size of what ``x`` only pretends to hold."""
+    broadcast = any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape))
+    return broadcast and x.size * np.dtype(dtype).itemsize > SLICE_BYTES
+
+
+def _sliced_product(a, b, dtype, scale):
+    """``(a * scale) @ b.T`` of an (n, d) ``a`` and a (w, d) ``b``, summed over slices of ``d``
+    of at most SLICE_BYTES per operand copy, in order."""
+    n, d = a.shape
+    w = b.shape[0]
+    step = max(1, SLICE_BYTES // (np.dtype(dtype).itemsize * max(n, w, 1)))
+    out = np.zeros((n, w), dtype=dtype)
+    for c in range(0, d, step):
+        part = blas_ready(a[:, c:c + step], dtype) * scale
+        out += part @ blas_ready(b[:, c:c + step], dtype).T
+    return out
