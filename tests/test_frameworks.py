@@ -292,3 +292,14 @@ def test_bindings_take_the_options_of_attention_and_document_them(module):
         [(n, p.kind, p.default) for n, p in theirs.items()]
     keywords = [n for n, p in ours.items() if p.kind is p.KEYWORD_ONLY]
     assert f"    {', '.join(keywords)}\n" in binding.__doc__
+
+
+@pytest.mark.skipif(LIBRARIES != ["numpy", "torch", "jax"], reason="needs torch and JAX")
+def test_framework_benchmark_prints_its_tables():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_frameworks.py"), "--sizes", "128",
+         "--repeat", "1"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |")]
+    assert len(rows) == 2 and all(float(cell) > 0 for cell in rows[1].split("|")[2:4]), rows
