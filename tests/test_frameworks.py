@@ -268,6 +268,7 @@ def test_import_cuonline_imports_neither_jax_nor_torch():
 # the GPU check of benchmarks/gpu_check.sh, run on the host (it needs a GPU to check the GPU)
 
 
+@pytest.mark.slow                  # a benchmark script: left out of the fast tier
 @pytest.mark.skipif(LIBRARIES != ["numpy", "torch", "jax"], reason="needs torch and JAX")
 def test_gpu_framework_check_runs_on_the_host(tmp_path):
     proc = subprocess.run(
@@ -294,6 +295,7 @@ def test_bindings_take_the_options_of_attention_and_document_them(module):
     assert f"    {', '.join(keywords)}\n" in binding.__doc__
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(LIBRARIES != ["numpy", "torch", "jax"], reason="needs torch and JAX")
 def test_framework_benchmark_prints_its_tables():
     proc = subprocess.run(

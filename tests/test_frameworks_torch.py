@@ -115,6 +115,7 @@ def test_requires_grad_bfloat16_and_errors():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_cuda_tensors_on_the_current_stream():
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 4, 300, 64, generator=gen) for _ in range(3))
