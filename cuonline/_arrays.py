@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 __all__ = ["Origin", "adapt", "buffer_view", "check_one_library", "host_or_cuda_view", "is_dask",
-           "library", "namespace", "numpy_dtype", "origin_of", "refuse_masked"]
+           "library", "namespace", "numpy_dtype", "on_cuda", "origin_of", "refuse_masked"]
 
 # top-level module of an array type -> the library's name in messages
 _LIBRARY_OF_MODULE = {"jaxlib": "jax", "cupy_backends": "cupy"}
@@ -204,6 +204,11 @@ def origin_of(x: Any, stream: int | None = None) -> Origin:
     device, device_id = _device_of(x, "array")
     return Origin(library(x) or type(x).__module__, device, device_id,
                   stream if device == "cuda" else None)
+
+
+def on_cuda(x: Any) -> bool:
+    """Whether the DLPack producer's array ``x`` lives in CUDA memory."""
+    return _device_of(x, "array")[0] == "cuda"
 
 
 def _device_of(x: Any, name: str) -> tuple[str, int]:

@@ -79,8 +79,9 @@ def _view(buffer: Any, dtype) -> Any:
 def _running(ctx: Any, buffer: Any):
     """The device and stream of a callback: XLA's stream on CUDA (work on it is ordered after
     the producers of the inputs and before the consumers of the outputs)."""
-    on_cuda = buffer.__dlpack_device__()[0] not in (1, 3)
-    return _arrays.origin_of(buffer, int(ctx.stream) if on_cuda else None).running()
+    # ctx.stream exists only on GPUs (it raises on the CPU)
+    stream = int(ctx.stream) if _arrays.on_cuda(buffer) else None
+    return _arrays.origin_of(buffer, stream).running()
 
 
 def _align(x: Array, name: str, batched: bool, batch_rank: int) -> Array:
