@@ -17,8 +17,12 @@ from . import _arrays, _options, _validate
 from ._api import attention_backward
 from ._gradients import Gradients
 
-__all__ = ["Shapes", "attention_backward_with_lse", "check_static", "differentiable", "shapes",
-           "stand_in", "trailing_rank"]
+__all__ = ["LAYOUTS", "Shapes", "attention_backward_with_lse", "check_static", "differentiable",
+           "heads_after_length", "shapes", "stand_in", "trailing_rank"]
+
+#: ``layout=`` of the bindings: "bhld", cuonline's (..., heads, length, dim); "blhd",
+#: (batch, length, heads, dim) as jax.nn.dot_product_attention, flax and FlashAttention take
+LAYOUTS = ("bhld", "blhd")
 
 
 def trailing_rank(name: str) -> int:
@@ -29,6 +33,21 @@ def trailing_rank(name: str) -> int:
     if name == "lse":
         return 1
     return len(_options.array_layout(name))
+
+
+def heads_after_length(layout: Any, q: Any, k: Any, v: Any) -> bool:
+    """Whether ``layout`` is "blhd" (then `q`, `k` and `v` must have 4 dimensions, batch,
+    length, heads, dim); a ValueError names a bad layout or the array that does not fit."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {', '.join(map(repr, LAYOUTS))}; "
+                         f"got {layout!r}")
+    if layout == "bhld":
+        return False
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"layout='blhd' takes `{name}` of shape (batch, length, heads, "
+                             f"dim), got shape {tuple(x.shape)}")
+    return True
 
 
 def differentiable(names) -> tuple[str, ...]:

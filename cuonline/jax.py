@@ -205,7 +205,7 @@ def attention(
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
-    backend: str = "auto", workers: int | None = None,
+    backend: str = "auto", workers: int | None = None, layout: str = "bhld",
 ) -> Array | tuple[Array, Array]:
     r""":func:`cuonline.attention` as a JAX function: under ``jax.jit``, ``jax.grad``,
     ``jax.vjp``, ``jax.vmap`` and their compositions.
@@ -213,21 +213,27 @@ def attention(
     Parameters
     ----------
     q, k, v : JAX arrays (or anything ``jax.numpy.asarray`` takes)
-        Shapes (..., Lq, D), (..., Lk, D), (..., Lk, Dv): heads before the sequence axis, as
-        :func:`cuonline.attention` takes them (``jnp.swapaxes(x, -2, -3)`` turns a
-        (batch, length, heads, dim) array into this layout). float16, bfloat16, float32, and
-        float64 with ``jax_enable_x64`` (without it JAX turns float64 into float32 when the
-        arrays are made, and cuonline computes in float32).
+        Shapes (..., Lq, D), (..., Lk, D), (..., Lk, Dv), heads before the sequence axis, as
+        :func:`cuonline.attention` takes them; with ``layout="blhd"``, (B, Lq, H, D),
+        (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) as ``jax.nn.dot_product_attention`` takes them.
+        float16, bfloat16, float32, and float64 with ``jax_enable_x64`` (without it JAX turns
+        float64 into float32 when the arrays are made, and cuonline computes in float32).
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are JAX values (traced or not);
         every other option must be a Python value known when the program is traced (it
         picks the kernel): a traced one is a TypeError.
+    layout : {"bhld", "blhd"}, optional
+        The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
+        "blhd", (batch, length, heads, dim), where XLA transposes q, k, v and out around the
+        call (a copy each; torch reads such arrays through their strides). The array options
+        keep their layout, e.g. `bias` of shape (B, H, Lq, Lk) as ``jax.nn`` takes it.
 
     Returns
     -------
     out : jax.Array, shape S + (Lq, Dv)
+        (B, Lq, H, Dv) with ``layout="blhd"``.
     lse : jax.Array, shape S + (Lq,)
-        Only when `return_lse`; it is differentiable too.
+        Only when `return_lse`; it is differentiable too. (B, H, Lq) with ``layout="blhd"``.
 
     Notes
     -----
@@ -251,6 +257,12 @@ def attention(
     """
     options = _options.from_call(locals())
     _bindings.check_static(options, "JAX", _is_traced)
+    if _bindings.heads_after_length(layout, q, k, v):
+        result = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+                           return_lse=return_lse, **options.asdict())
+        if return_lse:
+            return jnp.swapaxes(result[0], 1, 2), result[1]
+        return jnp.swapaxes(result, 1, 2)
     if isinstance(return_lse, jax.core.Tracer):
         raise TypeError("`return_lse` must be a Python bool known when the program is traced")
     arrays = {n: jnp.asarray(x) for n, x in {"q": q, "k": k, "v": v, **options.arrays()}.items()}

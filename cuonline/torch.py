@@ -147,25 +147,32 @@ def attention(
     bias_block: int | tuple[int, int] | None = None, rel_bias: Tensor | None = None,
     rel_q: Tensor | None = None, rel_k: Tensor | None = None,
     return_lse: bool = False, precision: str = "highest",
-    backend: str = "auto", workers: int | None = None,
+    backend: str = "auto", workers: int | None = None, layout: str = "bhld",
 ) -> Tensor | tuple[Tensor, Tensor]:
     r""":func:`cuonline.attention` for torch tensors, differentiable by ``torch.autograd``.
 
     Parameters
     ----------
     q, k, v : torch.Tensor
-        Shapes (..., Lq, D), (..., Lk, D), (..., Lk, Dv): heads before the sequence axis, as
+        Shapes (..., Lq, D), (..., Lk, D), (..., Lk, Dv), heads before the sequence axis, as
         :func:`cuonline.attention` and ``torch.nn.functional.scaled_dot_product_attention``
-        take them. float16, bfloat16, float32 or float64, on the CPU or a CUDA device.
+        take them; with ``layout="blhd"``, (B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) as
+        FlashAttention takes them. float16, bfloat16, float32 or float64, on the CPU or a
+        CUDA device.
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are tensors on the device of `q`
         (Python lists and numbers are turned into tensors there).
+    layout : {"bhld", "blhd"}, optional
+        The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
+        "blhd", (batch, length, heads, dim), read through the strides (a transposed view,
+        no copy). The array options keep their layout, e.g. `bias` of shape (B, H, Lq, Lk).
 
     Returns
     -------
     out : torch.Tensor, shape S + (Lq, Dv)
+        (B, Lq, H, Dv) with ``layout="blhd"`` (a transposed view).
     lse : torch.Tensor, shape S + (Lq,)
-        Only when `return_lse`; it is differentiable too.
+        Only when `return_lse`; it is differentiable too. (B, H, Lq) with ``layout="blhd"``.
 
     Notes
     -----
@@ -186,19 +193,24 @@ def attention(
     """
     options = _options.from_call(locals())
     arrays = _tensors(q, options)
+    swap = _bindings.heads_after_length(layout, q, k, v)
+    if swap:                           # (batch, length, heads, dim): transposed views
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     statics = options.replace(**{n: None for n in options.arrays()})
     if not torch.compiler.is_compiling():
         # every error before autograd records anything (compiled: the fake kernel's check)
         _shapes({"q": q, "k": k, "v": v, **arrays}, statics.asdict())
-    return _call(q, k, v, arrays, statics, return_lse)
+    return _call(q, k, v, arrays, statics, return_lse, swap)
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, arrays: dict, statics: _options.Options,
-          return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+          return_lse: bool, swap: bool) -> Tensor | tuple[Tensor, Tensor]:
     # apart from attention(): a comprehension there would make its locals closure cells,
     # which torch.compile cannot read through locals()
     out, lse = torch.ops.cuonline.attention(
         q, k, v, *(arrays.get(n) for n in _options.array_options()), _encode(statics, return_lse))
+    if swap:
+        out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 

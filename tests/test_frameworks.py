@@ -289,9 +289,11 @@ def test_bindings_take_the_options_of_attention_and_document_them(module):
     binding = importlib.import_module(module).attention
     ours = inspect.signature(binding).parameters
     theirs = inspect.signature(cuonline.attention).parameters
+    # every parameter of cuonline.attention, then the bindings' own: layout
     assert [(n, p.kind, p.default) for n, p in ours.items()] == \
-        [(n, p.kind, p.default) for n, p in theirs.items()]
-    keywords = [n for n, p in ours.items() if p.kind is p.KEYWORD_ONLY]
+        [(n, p.kind, p.default) for n, p in theirs.items()] + [
+            ("layout", inspect.Parameter.KEYWORD_ONLY, "bhld")]
+    keywords = [n for n, p in theirs.items() if p.kind is p.KEYWORD_ONLY]
     assert f"    {', '.join(keywords)}\n" in binding.__doc__
 
 

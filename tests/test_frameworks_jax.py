@@ -247,3 +247,37 @@ def test_merge_under_jit_and_grad():
     np.testing.assert_allclose(np.asarray(got), g.dk, atol=1e-12)
     with pytest.raises(ValueError, match=r"state 1: `out` has shape"):
         cj.merge((out, lse), (out[:1], lse[:1]))
+
+
+def test_layout_blhd_against_jax_nn_dot_product_attention():
+    """jax.nn takes (batch, length, heads, dim); it computes the softmax in float32 even for
+    float64 inputs, so it agrees to float32 accuracy, and the heads-first call exactly."""
+    rng = np.random.default_rng(16)
+    q = jnp.asarray(rng.standard_normal((2, 33, 4, 16)))     # (batch, length, heads, dim)
+    k, v = (jnp.asarray(rng.standard_normal((2, 40, 1, 16))) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((2, 4, 33, 40)))
+
+    def ours(q, k, v):
+        return cj.attention(q, k, v, bias=bias, layout="blhd")
+
+    def heads_first(q, k, v):
+        out = cj.attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), bias=bias)
+        return jnp.swapaxes(out, 1, 2)
+
+    def theirs(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, bias=bias)
+
+    out = jax.jit(ours)(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(heads_first(q, k, v)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(theirs(q, k, v)), atol=1e-6)
+    loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()      # noqa: E731
+    got = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    exact = jax.grad(loss(heads_first), argnums=(0, 1, 2))(q, k, v)
+    near = jax.grad(loss(theirs), argnums=(0, 1, 2))(q, k, v)
+    for a, b, c in zip(got, exact, near):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+    out, lse = cj.attention(q, k, v, return_lse=True, layout="blhd")
+    assert out.shape == (2, 33, 4, 16) and lse.shape == (2, 4, 33)
+    with pytest.raises(ValueError, match=r"layout='blhd' takes `q` of shape"):
+        cj.attention(q[0], k, v, layout="blhd")

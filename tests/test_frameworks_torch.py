@@ -129,3 +129,26 @@ def test_cuda_tensors_on_the_current_stream():
     stream.synchronize()
     assert out.device == qc.device
     np.testing.assert_allclose(out.detach().cpu().numpy(), want, atol=2e-5)
+
+
+def test_layout_blhd_reads_flash_attention_arrays_through_their_strides():
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 33, 4, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 40, 1, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+            for _ in range(2))
+    bias = torch.randn(2, 4, 33, 40, dtype=torch.float64, generator=gen)
+    out, lse = ct.attention(q, k, v, bias=bias, causal=True, return_lse=True, layout="blhd")
+    assert out.shape == (2, 33, 4, 16) and lse.shape == (2, 4, 33)
+    grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+    heads_first = [x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
+    want, want_lse = ct.attention(*heads_first, bias=bias, causal=True, return_lse=True)
+    want_grads = torch.autograd.grad(want.square().sum() + want_lse.sum(), heads_first)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected.transpose(1, 2), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"layout='blhd' takes `k` of shape \(batch, length, "
+                                         r"heads, dim\), got shape \(40, 16\)"):
+        ct.attention(q, k[0, :, 0], v, layout="blhd")
+    with pytest.raises(ValueError, match=r"`layout` must be one of 'bhld', 'blhd'; got 'bshd'"):
+        ct.attention(q, k, v, layout="bshd")
