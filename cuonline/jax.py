@@ -258,8 +258,8 @@ def attention(
     options = _options.from_call(locals())
     _bindings.check_static(options, "JAX", _is_traced)
     if _bindings.heads_after_length(layout, q, k, v):
-        result = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
-                           return_lse=return_lse, **options.asdict())
+        result: Any = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+                                return_lse=return_lse, **options.asdict())
         if return_lse:
             return jnp.swapaxes(result[0], 1, 2), result[1]
         return jnp.swapaxes(result, 1, 2)
