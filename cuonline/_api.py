@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Any, Callable, TypeVar
 
-from . import _options, _validate
+from . import _arrays, _options, _validate
 from ._gradients import Gradients
 from ._stats import AttentionStats
 from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
@@ -28,6 +30,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 _CUDA_BACKENDS = ("cupy", "emulate")
 
 
+def _adapts(*names: str) -> Callable[[F], F]:
+    """Let ``function`` take the arrays of any library: its array arguments ``names`` (and
+    every array option it takes) are brought in as NumPy or CuPy arrays without a copy
+    (:func:`cuonline._arrays.adapt`), the call runs on the caller's device and stream, and
+    the results go back in the caller's library. NumPy, CuPy and Dask calls pass through."""
+    def decorate(function: F) -> F:
+        signature = inspect.signature(function)
+        array_names = names + tuple(n for n in _options.array_options()
+                                    if n in signature.parameters)
+
+        @functools.wraps(function)
+        def adapted(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            arrays, origin = _arrays.adapt({n: bound.arguments[n] for n in array_names
+                                            if n in bound.arguments})
+            if origin is None:
+                return function(*args, **kwargs)
+            bound.arguments.update(arrays)
+            with origin.running():
+                return origin.back(function(*bound.args, **bound.kwargs))
+        return adapted                # type: ignore[return-value]
+    return decorate
+
+
+@_adapts("q", "k", "v")
 def attention(
     q: Array, k: Array, v: Array, *, scale: float | None = None, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
@@ -49,7 +76,10 @@ def attention(
     ----------
     q : array, shape (..., Lq, D)
         Queries. NumPy or CuPy array of float16, bfloat16 (with ``ml_dtypes``), float32 or
-        float64. Any strides, including negative and zero (broadcast) ones.
+        float64. Any strides, including negative and zero (broadcast) ones. Torch tensors,
+        JAX arrays and other DLPack arrays are read in place as NumPy (host memory) or CuPy
+        (CUDA memory) arrays, and the results come back in their library and on their
+        device (docs/frameworks.md; ``cuonline.jax`` and ``cuonline.torch`` differentiate).
     k : array, shape (..., Lk, D)
         Keys, same dtype and library as `q`.
     v : array, shape (..., Lk, Dv)
@@ -232,6 +262,7 @@ def _documents_options(function: F) -> F:
 
 
 @_documents_options
+@_adapts("dout", "q", "k", "v", "out", "lse")
 def attention_backward(
     dout: Array | float, q: Array, k: Array, v: Array, out: Array, lse: Array, *, scale: float | None = None, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
@@ -579,10 +610,20 @@ def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:
     """
     if _dask.is_dask_merge(states):    # Dask arrays: a lazy blockwise merge
         return _dask.merge(*states)
+    named = {f"states[{n}][{i}]": x for n, state in enumerate(states)
+             if isinstance(state, (tuple, list)) for i, x in enumerate(state)}
+    arrays, origin = _arrays.adapt(named)
+    if origin is not None:           # torch, JAX, ...: merge their NumPy/CuPy views
+        with origin.running():
+            return origin.back(merge(*(
+                tuple(arrays[f"states[{n}][{i}]"] for i in range(len(state)))
+                if isinstance(state, (tuple, list)) else state
+                for n, state in enumerate(states))))
     xp, outs, lses = _validate.validate_merge(states)
     return _merge.merge_states(xp, outs, lses)
 
 
+@_adapts("x", "mask")
 def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
             backend: str = "auto") -> Array:
     r"""Softmax along `axis`, stable for any finite magnitude.
@@ -590,7 +631,7 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     Parameters
     ----------
     x : array
-        Real floating NumPy or CuPy array.
+        Real floating NumPy or CuPy array (or any DLPack array, as in :func:`attention`).
     axis : int, optional
         The axis to normalise over. Default: the last.
     mask : bool array, optional
@@ -634,6 +675,7 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     return _softmax.softmax(p.xp, p.x, p.axis, p.mask)
 
 
+@_adapts("x", "mask")
 def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
                 backend: str = "auto") -> Array:
     r"""Logarithm of :func:`softmax` along `axis`, computed without forming the softmax.
@@ -655,6 +697,7 @@ def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     return _softmax.log_softmax(p.xp, p.x, p.axis, p.mask)
 
 
+@_adapts("x", "mask")
 def logsumexp(x: Array, axis: int = -1, *, mask: Array | None = None, keepdims: bool = False,
               backend: str = "auto") -> Array:
     r"""``log(sum(exp(x)))`` along `axis`, stable for any finite magnitude.

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _semantics
+from . import _arrays, _semantics
 from ._options import Options, array_layout, differentiable_options, names
 from .kernels import heuristics as _heuristics
 from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
@@ -108,39 +108,10 @@ class Problem:
 # array libraries
 
 
-def _library(x) -> str | None:
-    """'numpy', 'cupy' or None (not an array of either)."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        return "cupy"
-    return None
-
-
 def array_namespace(**named) -> Any:
-    """Return numpy or cupy for the named arguments, which must not mix array libraries.
-
-    ``None`` values and non-array values (lists, scalars) are ignored here; they are converted
-    with the namespace chosen by the arrays.
-    """
-    seen: dict[str, str] = {}
-    for name, x in named.items():
-        _refuse_masked(x, name)
-        lib = _library(x)
-        if lib is not None:
-            seen.setdefault(lib, name)
-    if len(seen) > 1:
-        (lib_a, arg_a), (lib_b, arg_b) = sorted(seen.items())
-        raise TypeError(
-            f"arrays from different libraries: `{arg_a}` is a {lib_a} array and `{arg_b}` is a "
-            f"{lib_b} array; move them to one library first (cupy.asarray / cupy.asnumpy)"
-        )
-    if "cupy" in seen:
-        import cupy
-
-        return cupy
-    return np
+    """numpy or cupy for the named arguments, which must not mix array libraries
+    (:func:`cuonline._arrays.namespace`: the mixed-libraries TypeError names them)."""
+    return _arrays.namespace(**named)
 
 
 def _as_array(xp, x, name):
@@ -150,16 +121,6 @@ def _as_array(xp, x, name):
         return xp.asarray(x)
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
         raise TypeError(f"`{name}` must be an array, got {type(x).__name__}: {exc}") from None
-
-
-def _refuse_masked(x, name):
-    # asarray would drop a numpy.ma mask without a word, computing with the masked-out values
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(
-            f"`{name}` is a numpy.ma masked array, whose mask cuonline would ignore; pass its "
-            f"data (numpy.ma.getdata) and the entries to keep as the boolean `mask=` argument "
-            f"(True = keep, i.e. ~numpy.ma.getmaskarray(x))"
-        )
 
 
 def _as_strided(xp, x, shape, strides):
@@ -212,7 +173,7 @@ def _clip_python_ints(value, lk):
     """``kv_lengths`` given as Python ints (or nested lists of them) beyond int64 would become an
     object array: values above ``Lk`` mean all keys, so clip them to ``Lk`` first. Anything
     else is returned as it came, for the usual checks."""
-    if _library(value) is not None:
+    if _arrays.library(value) is not None:
         return value
     try:
         arr = np.asarray(value)
@@ -632,7 +593,7 @@ def _check_same_device(**named):
     current = cupy.cuda.Device().id
     for name, x in named.items():
         dev = getattr(getattr(x, "device", None), "id", current)
-        if _library(x) == "cupy" and dev != current:
+        if _arrays.library(x) == "cupy" and dev != current:
             raise ValueError(
                 f"`{name}` lives on GPU {dev} but the current device is GPU {current}; "
                 f"call inside `with cupy.cuda.Device({dev}):` or move the array"
