@@ -433,6 +433,7 @@ def attention_vjp(
     return out, vjp
 
 
+@_adapts("q", "k", "query_weights", "rows")
 @_documents_score_options
 def attention_stats(
     q: Array, k: Array, *, scale: float | None = None, causal: bool = False,

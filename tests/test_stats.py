@@ -332,3 +332,27 @@ def test_benchmark_prints_its_table():
                              "--quick"], capture_output=True, text=True, check=True, cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert "| 256 |" in result.stdout and "memory: 64 queries x N=4096 keys" in result.stdout
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_framework_arrays_in_the_same_library_out(rng, framework):
+    """torch tensors and JAX arrays go through attention's dispatch: statistics of their
+    NumPy views, handed back in the caller's library."""
+    lib = pytest.importorskip(framework)
+    # float32: JAX holds float64 only with jax_enable_x64
+    q, k = (rng.standard_normal((2, n, 4)).astype(np.float32) for n in (10, 12))
+    w = rng.random(10).astype(np.float32)
+    if framework == "torch":
+        convert = lib.from_numpy
+        back = lambda x: x.numpy()    # noqa: E731
+    else:
+        convert = pytest.importorskip("jax.numpy").asarray
+        back = np.asarray
+    st = cuonline.attention_stats(convert(q), convert(k), received=True,
+                                  query_weights=convert(w), top_k=2, rows=[1, 3])
+    want = cuonline.attention_stats(q, k, received=True, query_weights=w, top_k=2,
+                                    rows=[1, 3])
+    for name in FIELDS:
+        got = getattr(st, name)
+        assert type(got).__module__.split(".")[0] in (framework, "jaxlib"), name
+        np.testing.assert_array_equal(back(got), getattr(want, name), err_msg=name)
