@@ -359,6 +359,32 @@ def test_block_sums_sum_each_block_of_places():
             assert np.allclose(got[:, a, c], ds[:, 3 * a:3 * a + 3, 4 * c:4 * c + 4].sum((1, 2)))
 
 
+@needs_emulation
+@pytest.mark.parametrize("rows", [2**31, 2**40], ids=["2**31", "2**40"])
+def test_a_bias_block_larger_than_the_sequence_is_one_block(rows):
+    # issue 22 item 7: dS was padded to a multiple of the block (384 GiB for 2**31 rows, a
+    # MemoryError; 192 TiB for 2**40); the forward and the NumPy backward clip the block
+    import cuonline
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (9, 11, 11))
+    bias = rng.standard_normal((1, 4))           # one block row, blocks of 3 keys
+    options = dict(bias=bias, bias_block=(rows, 3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, backend="numpy", **options)
+    assert got.dbias.shape == bias.shape
+    for field in ("dq", "dk", "dv", "dbias"):
+        assert np.allclose(getattr(got, field), getattr(want, field), rtol=0, atol=1e-13), field
+
+
+def test_block_sums_of_a_block_larger_than_the_places():
+    from cuonline.engines.cuda_backward import block_sums
+    ds = np.random.default_rng(2).standard_normal((2, 7, 10))
+    got = block_sums(np, ds, (2**40, 2**31))
+    assert got.shape == (2, 1, 1) and np.allclose(got[:, 0, 0], ds.sum((1, 2)))
+
+
 @pytest.mark.parametrize("diag, radius", [(0, 2), (3, 4), (-5, 1), (0, 0), (2**40, 3), (0, 20)])
 def test_diagonal_sums_sum_each_clipped_distance(diag, radius):
     from cuonline.engines.cuda_backward import diagonal_sums

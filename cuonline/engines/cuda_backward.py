@@ -192,8 +192,10 @@ def _result(p, dq, dk, dv, ds, dc):
 def block_sums(xp, ds, block):
     """``ds`` ``(..., lq, lk)`` summed over blocks of ``block = (r, c)`` places: ``(...,
     ceil(lq / r), ceil(lk / c))`` (a block cut by the edge sums what it has)."""
-    r, c = block
     lq, lk = ds.shape[-2:]
+    # a block taller (wider) than the places is one block, as in the forward's arguments:
+    # clipped, the padding below stays under one block of the places' own size
+    r, c = min(block[0], max(lq, 1)), min(block[1], max(lk, 1))
     rows, cols = -(-lq // r), -(-lk // c)
     padded = xp.zeros(ds.shape[:-2] + (rows * r, cols * c), dtype=ds.dtype)
     padded[..., :lq, :lk] = ds
