@@ -329,6 +329,45 @@ def test_attention_backward_on_the_emulated_engine(name, dtype):
 
 
 @needs_emulation
+def test_nan_in_relative_rows_nobody_sees_stays_out_of_the_other_gradient():
+    # issue 22 item 2: under causal no query sees distances > 0, and with Lq > Lk queries
+    # 0..2 see no key; NaN there must give the gradients of zeros there (those places
+    # contribute exactly zero), not drel_q (drel_k) NaN through 0 * NaN in a matrix product
+    import cuonline
+    from oracle import reference_attention_backward
+    rng = np.random.default_rng(3)
+    lq, lk, radius = 12, 9, 3
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (lq, lk, lk))
+    rel_q, rel_k = rng.standard_normal((lq, 4)), rng.standard_normal((2 * radius + 1, 4))
+    rel_q[:3] = rel_k[radius + 1:] = np.nan
+    clean = dict(causal=True, rel_q=np.nan_to_num(rel_q, nan=0.0),
+                 rel_k=np.nan_to_num(rel_k, nan=0.0))
+    options = dict(causal=True, rel_q=rel_q, rel_k=rel_k)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = reference_attention_backward(dout, q, k, v, **clean)
+    for field in ("dq", "dk", "dv", "drel_q", "drel_k"):
+        assert np.allclose(getattr(got, field), want[field], rtol=0, atol=1e-12), field
+    assert not got.drel_q[:3].any() and not got.drel_k[radius + 1:].any()
+
+
+def test_weighted_sums_skip_zero_weights_and_keep_the_rest_ieee():
+    from cuonline.engines.cuda_backward import weighted_sums
+    w = np.array([[0.0, 2.0, 1.0], [0.0, 0.0, 1.0], [0.0, -1.0, 0.0], [1.0, 1.0, 1.0]])
+    x = np.array([[np.nan, np.inf], [1.0, np.inf], [2.0, -np.inf]])
+    got = weighted_sums(np, w, x)
+    want = np.array([[4.0, np.nan],              # inf + (-inf)
+                     [2.0, -np.inf],
+                     [-1.0, -np.inf],              # -1 * inf
+                     [np.nan, np.nan]])            # a non-zero weight meets NaN
+    assert np.array_equal(got, want, equal_nan=True)
+    finite = np.random.default_rng(0).standard_normal((2, 3, 5))
+    y = np.random.default_rng(1).standard_normal((2, 5, 4))
+    assert np.array_equal(weighted_sums(np, finite, y), finite @ y)
+
+
+@needs_emulation
 @pytest.mark.parametrize("lq, lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 0, 4),
                                            (5, 6, 4, 0), (1, 1, 1, 1)])
 def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):

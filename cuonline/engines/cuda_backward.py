@@ -27,7 +27,7 @@ from ..kernels import arguments, families, features, heuristics
 from ..kernels.specs import AttentionBwdMmaSpec
 from . import target as _target
 
-__all__ = ["attention_backward", "gradients"]
+__all__ = ["attention_backward", "gradients", "weighted_sums"]
 
 #: Gradient fields of the per-batch result and of Gradients -> the input each belongs to.
 _INPUTS = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias", "drel_bias": "rel_bias",
@@ -228,11 +228,38 @@ def relative_qk_sums(xp, dc, rel_q, rel_k, diagonal_offset, radius):
     n = skew.shape[-1]
     table = xp.broadcast_to(rel_k, batch + rel_k.shape[-2:]).astype(dc.dtype, copy=False)
     rows = xp.clip(xp.arange(n) + base, -radius, radius) + radius
-    drel_q = xp.matmul(skew, table[..., rows, :])        # (..., lq, Dr)
+    drel_q = weighted_sums(xp, skew, table[..., rows, :])        # (..., lq, Dr)
     queries = xp.broadcast_to(rel_q, batch + (lq, rel_q.shape[-1])).astype(dc.dtype, copy=False)
-    per_diagonal = xp.matmul(xp.swapaxes(skew, -1, -2), queries)   # (..., n, Dr)
+    per_diagonal = weighted_sums(xp, xp.swapaxes(skew, -1, -2), queries)   # (..., n, Dr)
     drel_k = _clip_merge(xp, xp.moveaxis(per_diagonal, -1, -2), base, radius)
     return drel_q, xp.moveaxis(drel_k, -1, -2)
+
+
+def weighted_sums(xp, w, x):
+    """``w @ x`` (``(..., m, n) @ (..., n, c)``) where a zero weight adds exactly 0, whatever
+    ``x`` holds there: the rows of a relative table that no visible place uses (weight 0) may
+    be NaN or inf, and a matrix product would make 0 * NaN = NaN of them (docs/semantics.md:
+    invisible places contribute exactly zero).
+
+    Finite ``x``: the product itself. Otherwise the product of the finite part, and each
+    non-finite entry added where a non-zero weight meets it: NaN, or an infinity of the sign
+    of weight times entry (both signs: NaN), counted by products of indicators.
+    """
+    bad = ~xp.isfinite(x)
+    if not bool(bad.any()):
+        return xp.matmul(w, x)
+    result = xp.matmul(w, xp.where(bad, 0, x))
+
+    def meets(weights, entries):   # how many non-zero weights meet such entries, per result
+        return xp.matmul(weights.astype(result.dtype), entries.astype(result.dtype)) > 0
+
+    positive, negative = w > 0, w < 0
+    plus, minus = x == np.inf, x == -np.inf
+    to_plus = meets(positive, plus) | meets(negative, minus)
+    to_minus = meets(positive, minus) | meets(negative, plus)
+    result = xp.where(meets(w != 0, xp.isnan(x)), np.nan, result)
+    result = xp.where(to_plus, result + np.inf, result)
+    return xp.where(to_minus, result - np.inf, result)       # with to_plus: inf - inf = NaN
 
 
 def _skew(xp, x, diagonal_offset):
