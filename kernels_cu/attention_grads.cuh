@@ -8,10 +8,12 @@
 namespace cuonline {
 
 // P = exp(s - lse) of logit s (-inf: invisible) in a row of log-sum-exp lse; 0 for an
-// invisible place and for a row that sees no key (lse = -inf), whatever the other value.
+// invisible place, whatever lse (a row that sees no key, lse = -inf, has only those). An
+// lse of -inf on a row that sees a key gives it infinite weights: its sum of P (row_sums)
+// says so, and the host refuses that lse (cuonline/_lse_check.py).
 template <class Acc>
 __device__ __forceinline__ Acc backward_weight(Acc s, Acc lse) {
-    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);
+    if (s == neg_inf(Acc())) return Acc(0);
     return exp2_((s - lse) * log2e(Acc()));
 }
 
@@ -65,6 +67,7 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
         CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
         CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
+        CUONLINE_ACC* __restrict__ row_sums,      /* (nbatch, lq): each row's sum of P */     \
         const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
         const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \
         int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \

@@ -385,6 +385,63 @@ def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):
 
 
 # --------------------------------------------------------------------------------------------
+# issue 22 item 6: an lse that cannot belong to the inputs (the dQ kernel sums each row's P)
+
+
+def lse_case(dtype, *, lq=40, lk=45):
+    """dout, q, k, v, out, lse and the options of a causal case in which every query of
+    batch element 1 sees keys and none of batch element 0 does (kv_lengths 0: lse -inf)."""
+    import cuonline
+    q, k, v, dout, opts = case(31, dtype, ("causal",), lq=lq, lk=lk)
+    opts = dict(opts, kv_lengths=np.array([0, lk]))
+    out, lse = cuonline.attention(q, k, v, backend="numpy", return_lse=True, **opts)
+    return dout, q, k, v, out, lse, opts
+
+
+def wrong_lses(lse):
+    """The issue's wrong lse values, each off on batch element 1 (whose rows see keys)."""
+    neg_inf = lse.copy()
+    neg_inf[1, 7] = -np.inf
+    return {"+5": lse + 5, "-50": lse - 50, "-inf on a row that sees keys": neg_inf}
+
+
+def simt_gradients(dout, q, k, v, out, lse, opts, sources=None):
+    from cuonline.engines import cuda_backward
+    from cuonline.engines.target import overrides
+    with overrides(family="attention_bwd_simt", kernel_sources=sources):
+        return cuda_backward.gradients(problem_of("emulate", q, k, v, **opts), dout, out, lse)
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_an_lse_that_does_not_belong_to_the_inputs_is_refused(dtype):
+    dout, q, k, v, out, lse, opts = lse_case(dtype)
+    assert (lse[0] == -np.inf).all() and np.isfinite(lse[1]).all()
+    g = simt_gradients(dout, q, k, v, out, lse, opts)
+    assert not g["dq"][0].any() and np.isfinite(g["dq"]).all()
+    for name, wrong in wrong_lses(lse).items():
+        with pytest.raises(ValueError, match=r"`lse` must be the one attention returned.*"
+                                             r"row \(1, "):
+            simt_gradients(dout, q, k, v, out, wrong, opts)
+
+
+@needs_emulation
+@pytest.mark.parametrize("mutant", ["bwd_simt_no_row_sum", "bwd_weight_zero_under_neg_inf_lse"])
+def test_the_lse_check_catches_a_kernel_without_its_row_sums(mutant):
+    from mutants import mutant_sources
+    dout, q, k, v, out, lse, opts = lse_case(np.float32, lq=20, lk=24)
+    wrong = wrong_lses(lse)["-inf on a row that sees keys"]
+    sources = mutant_sources(mutant)
+    with pytest.raises(ValueError, match="`lse`"):     # the real kernel refuses it
+        simt_gradients(dout, q, k, v, out, wrong, opts)
+    if mutant == "bwd_simt_no_row_sum":                 # refuses the right lse too
+        with pytest.raises(ValueError, match="`lse`"):
+            simt_gradients(dout, q, k, v, out, lse, opts, sources)
+    else:                                               # takes the wrong one
+        simt_gradients(dout, q, k, v, out, wrong, opts, sources)
+
+
+# --------------------------------------------------------------------------------------------
 # the host's reductions of dS (pure functions)
 
 
@@ -489,17 +546,17 @@ def test_plan_covers_every_key_and_query_tile():
 # with the rel_q / rel_k staging (and dS, dC written)
 _TSAN_SCRIPT = """
 import numpy as np
+import cuonline
 from support import make_case, problem_of
 from cuonline.engines import cuda_backward
 from cuonline.engines.target import overrides
 rng = np.random.default_rng(5)
 q, k, v, _ = make_case(4, lq=40, lk=40)
 dout = rng.standard_normal((2, 40, 24)).astype(np.float32)
-out = np.zeros_like(dout)
-lse = np.zeros((2, 40), dtype=np.float32)
 terms = dict(rel_q=rng.standard_normal((40, 4)), rel_k=rng.standard_normal((9, 4)),
              bias=rng.standard_normal((40, 40)))
 for options in ({{}}, terms):
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)   # lse is checked
     with overrides(kernel_sources={sources!r}, emulate_options=dict(mode="threads", tsan=True)):
         g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)
 print("DONE", g["dq"].shape)

@@ -14,7 +14,8 @@ Host work, all in a fixed order (no atomics, no reduction whose order depends on
 so two runs give bitwise identical gradients): ``Delta_i = rowsum(dO_i * O_i)`` in the
 accumulation dtype, the sums over broadcast dimensions, and the bias-type gradients reduced
 from the kernels' dS workspace (a bias to its shape, a block bias over its blocks, a relative
-bias over its diagonals).
+bias over its diagonals). The dQ kernel also sums each row's weights P; an ``lse`` under
+which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 
 import numpy as np
 
+from .. import _lse_check
 from ..kernels import arguments, families, features, heuristics
 from ..kernels.specs import AttentionBwdMmaSpec
 from . import target as _target
@@ -113,7 +115,8 @@ def _run(p, dout, out, lse, target):
     # places outside every query tile's key loop are never written: zero from the start
     ds = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_ds else None
     dc = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_dc else None
-    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, dc)
+    row_sums = xp.empty((nb, p.lq), dtype=acc)
+    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums)
 
     module = target.module(plan.spec)
     # the family's two entry points, dK/dV then dQ
@@ -122,12 +125,39 @@ def _run(p, dout, out, lse, target):
         if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
             kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
         kernel(grid, plan.block, args, shared_mem=plan.shared_bytes)
+    _check_lse(p, xp.reshape(row_sums, shape + (p.lq,)), xp.reshape(lse, shape + (p.lq,)))
 
     def full(x):
         return xp.reshape(x, shape + x.shape[1:])
 
     return _result(p, full(dq), full(dk), full(dv), None if ds is None else full(ds),
                    None if dc is None else full(dc))
+
+
+#: precision="tf32" rounds q and k to 10 mantissa bits where a family has tensor cores, and not
+#: where it falls back to SIMT: a logit's products may differ by TF32's epsilon (2**-10), not
+#: float32's (2**-23), between the forward's lse and this backward.
+_TF32_PRODUCTS = 2.0**13
+
+
+def _check_lse(p, row_sums, lse):
+    """Refuse an ``lse`` that does not belong to ``p`` (:func:`cuonline._lse_check
+    .check_row_sums`) from the dQ kernel's ``row_sums`` ``batch_shape + (lq,)``: its sums of
+    P, which are +inf on a row that sees a key under ``lse = -inf`` (P = exp(s + inf))."""
+    xp = p.xp
+    dead = lse == -np.inf
+    lengths = p.kv_lengths
+    rel = _has_rel_qk(p)
+    products = _lse_check.product_bound(xp, p.q, p.k, p.scale, kv_lengths=lengths,
+                                        rel_q=p.rel_q if rel else None,
+                                        rel_k=p.rel_k if rel else None)
+    if p.precision == "tf32":
+        products = products * _TF32_PRODUCTS
+    _lse_check.check_row_sums(
+        xp, xp.where(dead, 0, row_sums), lse, acc_dtype=p.acc_dtype,
+        n_keys=p.lk if lengths is None else xp.asarray(lengths)[..., None],
+        logit_terms=p.d + (p.dr if rel else 0), products=products,
+        sees_keys=dead & (row_sums != 0))
 
 
 def _distinct(x):

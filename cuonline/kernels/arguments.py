@@ -213,7 +213,8 @@ def softmax_arguments(xp, x, mask, out, plan, scale):
 #: and values (:func:`attention_fwd_arguments` builds them); the offset table gains a column.
 ATTENTION_BWD_SIGNATURE = (
     "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
-    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "offsets", "strides", "lq", "lk",
+    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "row_sums", "offsets", "strides",
+    "lq", "lk",
     "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
     "bias_block_cols", "rel_bias_radius", "rel_k_radius",
 )
@@ -226,7 +227,7 @@ class _NoSplit:
         self.split_keys = lk
 
 
-def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
+def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
@@ -234,7 +235,8 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
     ``batch_shape + (lq, dv)`` (any strides: addressed through the offset table's last
     column, after the forward's :data:`OPERANDS`); ``lse`` and ``delta`` contiguous
     ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds`` and
-    ``dc`` ``(nbatch, lq, lk)`` or None, all in the accumulation dtype.
+    ``dc`` ``(nbatch, lq, lk)`` or None, ``row_sums`` ``(nbatch, lq)`` (the dQ kernel's record
+    of each row's sum of P), all in the accumulation dtype.
     """
     xp = p.xp
     forward = dict(zip(ATTENTION_FWD_SIGNATURE,
@@ -249,5 +251,5 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
         xp.concatenate([forward["strides"], xp.reshape(xp.asarray(st, dtype=np.int64), (1, 2))],
                        axis=0))
     values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds, dc=dc,
-                  offsets=offsets, strides=strides)
+                  row_sums=row_sums, offsets=offsets, strides=strides)
     return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)
