@@ -407,7 +407,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[n][e], i, j, rel);
-                    const Acc p = backward_weight(x, row_lse[h]);
+                    const Acc p = summed_weight(x, row_lse[h]);
                     row_sum[h] += p;
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,

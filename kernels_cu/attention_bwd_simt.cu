@@ -398,7 +398,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[r][t], i, j, rel);
-                    const Acc p = backward_weight(x, row_lse[r]);
+                    const Acc p = summed_weight(x, row_lse[r]);
                     row_sum[r] += p;
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,

@@ -8,11 +8,19 @@
 namespace cuonline {
 
 // P = exp(s - lse) of logit s (-inf: invisible) in a row of log-sum-exp lse; 0 for an
-// invisible place, whatever lse (a row that sees no key, lse = -inf, has only those). An
-// lse of -inf on a row that sees a key gives it infinite weights: its sum of P (row_sums)
-// says so, and the host refuses that lse (cuonline/_lse_check.py).
+// invisible place and for a row that sees no key (lse = -inf), whatever the other value.
 template <class Acc>
 __device__ __forceinline__ Acc backward_weight(Acc s, Acc lse) {
+    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);
+    return exp2_((s - lse) * log2e(Acc()));
+}
+
+// The dQ kernels' P, which they also sum per row (row_sums) for the host's check of lse
+// (cuonline/_lse_check.py): 0 for an invisible place, whatever lse (a row that sees no key
+// has only those), so that an lse of -inf on a row that sees a key gives infinite weights
+// and the host refuses it. (backward_weight keeps the dK/dV kernels' registers as they were.)
+template <class Acc>
+__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {
     if (s == neg_inf(Acc())) return Acc(0);
     return exp2_((s - lse) * log2e(Acc()));
 }

@@ -92,8 +92,10 @@ MUTANTS = {
     # sees none does, and an lse of -inf there passes.
     "bwd_weight_zero_under_neg_inf_lse": (
         "attention_grads.cuh",
-        "if (s == neg_inf(Acc())) return Acc(0);",
-        "if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);",
+        "__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {\n"
+        "    if (s == neg_inf(Acc())) return Acc(0);",
+        "__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {\n"
+        "    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);",
     ),
 }
 
