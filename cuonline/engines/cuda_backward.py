@@ -172,21 +172,19 @@ def _plan(p, dout, target, want_ds):
     finite (its mmas would carry a NaN or inf into rows that do not see it, where the SIMT
     family skips zero weights), else the SIMT family."""
     names = features.backward_of_problem(p)
-    family = families.backward_family(p.dtype, p.d, p.dv, names, target.arch, p.precision)
     if target.family == "attention_bwd_simt":      # tests pin a family (overrides(family=))
         return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
+    # the tensor-core family where its block fits the arch (not float64 with a wide
+    # rel_q/rel_k on a 99 KiB GPU), else the SIMT family plans it or says why not
+    family = families.backward_family(p.dtype, p.d, p.dv, names, target.arch, p.precision,
+                                      p.dr if "rel_qk" in names else 0)
     xp = p.xp
     if family.spec is AttentionBwdMmaSpec and all(
             bool(xp.isfinite(_distinct(x)).all()) for x in (p.q, p.k, p.v, dout)):
         cp_async = (arguments.cp_async_aligned(p)
                     and arguments.view_cp_async_aligned(dout, p.batch_shape))
-        try:
-            return heuristics.plan_bwd_mma(p, arch=target.arch, write_ds=want_ds,
-                                           cp_async=cp_async)
-        except ValueError:
-            # a block that does not fit the arch's shared memory (float64 with a wide
-            # rel_q/rel_k on a 99 KiB GPU): the SIMT family plans it, or says why not
-            pass
+        return heuristics.plan_bwd_mma(p, arch=target.arch, write_ds=want_ds,
+                                       cp_async=cp_async)
     return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
 
 

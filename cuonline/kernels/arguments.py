@@ -92,13 +92,18 @@ def view_cp_async_aligned(x, batch_shape) -> bool:
     shared by 16-byte cp.async (see :func:`cp_async_aligned`; the backward asks it of dout
     too)."""
     itemsize = x.dtype.itemsize
-    offsets = _element_offsets(x, batch_shape)
-    if offsets is None or x.strides[-1] != itemsize:
+    strides = x.strides
+    if any(s % itemsize for s in strides) or strides[-1] != itemsize:
         return False
     chunk = CP_ASYNC_BYTES // itemsize
-    if _data_address(x) % CP_ASYNC_BYTES or (x.strides[-2] // itemsize) % chunk:
+    if _data_address(x) % CP_ASYNC_BYTES or (strides[-2] // itemsize) % chunk:
         return False
-    return not (offsets.size and np.any(offsets % chunk))
+    # every batch offset (a sum of multiples of the batch strides) is a whole number of
+    # chunks iff the stride of each batch axis of more than one element is: no offset table
+    # is built here (the argument builder builds it once)
+    if 0 in batch_shape:
+        return True
+    return all((s // itemsize) % chunk == 0 for n, s in zip(batch_shape, strides) if n > 1)
 
 
 #: The kernels index the relative tables in 32 bits (row = radius + clipped delta <= 2 radius):
