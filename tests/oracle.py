@@ -1,69 +1,82 @@
-"""A float64 reference for attention, written independently of every engine.
+"""A float64 reference for attention, written independently of every engine, and the naive
+same-precision computation the tolerances are measured against.
 
 It materialises the full score matrix with plain NumPy, applies each option literally from its
 definition in the docs (no online softmax, no tiling, no shared helper from cuonline) and is
-meant for small shapes only.
+meant for small shapes only. Every entry builds its logits with one function, :func:`_logits`,
+so the forward, the gradients and the naive computations cannot disagree on a score term.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+#: The options every entry takes, with their defaults (the public ``attention``'s).
+_OPTIONS = dict(scale=None, causal=False, window=None, bias=None, mask=None, kv_lengths=None,
+                alibi_slopes=None, softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
+                bias_block=None, rel_bias=None, rel_q=None, rel_k=None)
 
-def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=None,
-                        mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
-                        softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
-                        rel_bias=None, rel_q=None, rel_k=None):
-    """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs.
 
-    Each term is built densely from its definition, in the documented order: the content
-    score ``scale * q . k + rel_q[i] . rel_k[delta]``, the soft cap (unless ``softcap_bias``),
-    ``bias`` (expanded from its blocks with ``bias_block``), ``rel_bias[delta]`` and ALiBi, the
-    soft cap (if ``softcap_bias``), then masking. A relative table of length ``R`` holds
-    distances ``-(R - 1) / 2 .. (R - 1) / 2``; farther distances read its end entries. Positions: query ``i`` at ``q_offset + i``
-    (default ``Lk - Lq``), key ``j`` at ``k_offset + j``; ``delta`` = key position - query
-    position, exact for offsets of any size (Python ints beyond int64 included).
+def _logits(q, k, batch, rounding=None, *, scale, causal, window, bias, mask, kv_lengths,
+            alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias,
+            rel_q, rel_k):
+    """Every dense piece of the logits, in the documented order, each of ``batch + (Lq, Lk)``:
+
+    ``content = scale * q . k + rel_q[i] . rel_k[delta]`` (rounded to ``rounding`` once, as a
+    same-precision kernel holds its scores), ``capped`` (the soft cap of the content unless
+    ``softcap_bias``), ``terms`` (``bias`` expanded from its blocks with ``bias_block``,
+    ``rel_bias[delta]``, ALiBi), ``pre = capped + terms``, ``logits`` (the cap of ``pre`` if
+    ``softcap_bias``) and ``visible``; and the index maps the gradients sum through.
+
+    A relative table of length ``R`` holds distances ``-(R - 1) / 2 .. (R - 1) / 2``; farther
+    distances read its end entries. Positions: query ``i`` at ``q_offset + i`` (default
+    ``Lk - Lq``), key ``j`` at ``k_offset + j``; ``delta`` = key position - query position,
+    exact for offsets of any size (Python ints beyond int64 included).
     """
-    q, k, v = (_f64(x) for x in (q, k, v))
+    rnd = _rounder(rounding)
     lq, d = q.shape[-2:]
     lk = k.shape[-2]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    if scale is None:
-        scale = 1.0 / np.sqrt(max(d, 1))
-    if q_offset is None:
-        q_offset = lk - lq
-
+    full = batch + (lq, lk)
+    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
+    q_offset = lk - lq if q_offset is None else q_offset
     # delta[i, j] = (k_offset + j) - (q_offset + i): int64 where that is exact, else Python ints
     base = int(k_offset) - int(q_offset)
     exact = np.int64 if abs(base) < 2**60 else object
     delta = (np.arange(lk, dtype=exact)[None, :] - np.arange(lq, dtype=exact)[:, None]
              + (np.int64(base) if exact is np.int64 else base))
+    out = SimpleNamespace(scale=scale, delta=delta, kidx=None, bidx=None, blocks=None)
 
-    s = scale * np.einsum("...id,...jd->...ij", q, k)
-    s = np.broadcast_to(s, batch + (lq, lk)).copy()
+    content = scale * _product("...id,...jd->...ij", q, k, rounding)
     if rel_q is not None:
-        table = _f64(rel_k)                                   # (..., R, Dr)
-        keys = table[..., _table_index(delta, table.shape[-2]), :]   # (..., Lq, Lk, Dr)
-        s = s + np.einsum("...id,...ijd->...ij", _f64(rel_q), keys)
+        table = _f64(rel_k)                                         # (..., R, Dr)
+        out.kidx = _table_index(delta, table.shape[-2])             # (Lq, Lk) table entries
+        content = content + np.einsum("...id,...ijd->...ij", _f64(rel_q), table[..., out.kidx, :])
+    out.content = rnd(np.broadcast_to(content, full))
+    capped = out.content
     if softcap is not None and not softcap_bias:
-        s = softcap * np.tanh(s / softcap)
+        capped = softcap * np.tanh(capped / softcap)
+    terms = np.zeros(full)
     if bias is not None:
         dense = _f64(bias)
         if bias_block is not None:
             r, c = (bias_block, bias_block) if np.ndim(bias_block) == 0 else bias_block
-            dense = dense[..., np.arange(lq) // r, :][..., np.arange(lk) // c]
-        s = s + dense
+            rows, cols = np.arange(lq) // r, np.arange(lk) // c
+            out.blocks = (rows, cols)
+            dense = dense[..., rows, :][..., cols]
+        terms = terms + dense
     if rel_bias is not None:
         table = _f64(rel_bias)
-        s = s + table[..., _table_index(delta, table.shape[-1])]
+        out.bidx = _table_index(delta, table.shape[-1])
+        terms = terms + table[..., out.bidx]
     if alibi_slopes is not None:
         slopes = np.broadcast_to(_f64(alibi_slopes), batch)[..., None, None]
-        s = s - slopes * np.abs(delta).astype(np.float64)
-    if softcap is not None and softcap_bias:
-        s = softcap * np.tanh(s / softcap)
+        terms = terms - slopes * np.abs(delta).astype(np.float64)
+    out.capped, out.pre = capped, capped + terms
+    out.logits = softcap * np.tanh(out.pre / softcap) if softcap_bias and softcap else out.pre
 
-    j = np.arange(lk)[None, :]
-    visible = np.ones(batch + (lq, lk), dtype=bool)
+    visible = np.ones(full, dtype=bool)
     if causal:
         visible &= delta <= 0
     if window is not None:
@@ -76,16 +89,42 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=
         visible &= _np(mask)
     if kv_lengths is not None:
         lengths = np.broadcast_to(_np(kv_lengths), batch)[..., None, None]
-        visible &= j < lengths
+        visible &= np.arange(lk)[None, :] < lengths
+    out.visible = visible
+    return out
+
+
+def _options(options):
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"oracle: unknown options {sorted(unknown)}")
+    return {**_OPTIONS, **options}
+
+
+def _batch(*arrays):
+    return np.broadcast_shapes(*(np.shape(x)[:-2] for x in arrays))
+
+
+def reference_attention(q, k, v, **options):
+    """Return ``(out, lse)`` in float64 for NumPy (or CuPy, converted) inputs.
+
+    Each term is built densely from its definition (:func:`_logits`), then each query row's
+    softmax over its visible keys: a row that sees no key gives 0 and ``-inf``, a NaN logit
+    it sees gives NaN.
+    """
+    q, k, v = (_f64(x) for x in (q, k, v))
+    batch = _batch(q, k, v)
+    lq = q.shape[-2]
+    s = _logits(q, k, batch, **_options(options))
 
     out = np.zeros(batch + (lq, v.shape[-1]))
     lse = np.full(batch + (lq,), -np.inf)
     vv = np.broadcast_to(v, batch + v.shape[-2:])
     for idx in np.ndindex(*batch, lq):
-        row_visible = visible[idx]
+        row_visible = s.visible[idx]
         if not row_visible.any():
             continue
-        row = s[idx][row_visible]
+        row = s.logits[idx][row_visible]
         m = row.max()
         if np.isnan(m) or np.isnan(row).any():
             out[idx] = np.nan
@@ -98,11 +137,64 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, bias=
     return out, lse
 
 
+def naive_attention(q, k, v, *, rounding, **options):
+    """``(out, lse)`` of a naive computation in the precision ``rounding`` (a dtype, or
+    ``"tf32"``): the scores and the weights ``P`` rounded to it, the products ``q k^T`` and
+    ``P v`` of operands rounded to it accumulated in float32 (float64 for float64), the output
+    rounded to it; as float64 arrays. FlashAttention measures a kernel's error against this
+    computation's (tests/support.py)."""
+    rnd = _rounder(rounding)
+    q, k, v = (_f64(x) for x in (q, k, v))
+    batch = _batch(q, k, v)
+    s = _logits(q, k, batch, rounding, **_options(options))
+    x = np.where(s.visible, s.logits, -np.inf)
+    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(s.visible, np.exp(x - m), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    seen = total > 0
+    p = rnd(np.where(seen, e / np.where(seen, total, 1), 0.0))
+    vv = np.broadcast_to(v, batch + v.shape[-2:])
+    out = rnd(_product("...ij,...jd->...id", p, vv, rounding))
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(total), -np.inf)[..., 0]
+    return out, rnd(lse)
+
+
+def _rounder(rounding):
+    """The function that rounds float64 values to ``rounding`` (None: no rounding)."""
+    if rounding is None:
+        return lambda x: x
+    if isinstance(rounding, str) and rounding == "tf32":
+        return to_tf32
+    dtype = np.dtype(rounding)
+    return lambda x: np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def _product(spec, a, b, rounding=None):
+    """``einsum(spec, a, b)``: in float64 for the reference, and for a naive computation of
+    operands rounded to ``rounding`` summed in float32 (as a 16-bit, TF32 or float32 GEMM
+    does; float64 for float64)."""
+    if rounding is None or (not isinstance(rounding, str) and np.dtype(rounding) == np.float64):
+        return np.einsum(spec, a, b)
+    rnd = _rounder(rounding)
+    return np.einsum(spec, rnd(a).astype(np.float32), rnd(b).astype(np.float32)).astype(
+        np.float64)
+
+
+def to_tf32(x):
+    """``x`` rounded to TF32 (10 mantissa bits, nearest with ties away from zero: cvt.rna),
+    as float64."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(
+        np.float64)
+
+
 def _table_index(delta, n):
     """Entries ``radius + clip(delta, -radius, radius)`` of a table of ``n = 2 radius + 1``."""
     radius = (n - 1) // 2
     return np.array([[radius + max(-radius, min(radius, int(d))) for d in row] for row in delta],
-                    dtype=np.int64)
+                    dtype=np.int64).reshape(np.shape(delta))
 
 
 def _np(x):
@@ -119,116 +211,123 @@ def _f64(x):
 # gradients (issue 13): a dense float64 reference, from the softmax Jacobian
 
 
-def reference_attention_backward(dout, q, k, v, *, scale=None, causal=False, window=None,
-                                 bias=None, mask=None, kv_lengths=None, alibi_slopes=None,
-                                 softcap=None, softcap_bias=False, q_offset=None, k_offset=0,
-                                 bias_block=None, rel_bias=None, rel_q=None, rel_k=None):
+def reference_attention_backward(dout, q, k, v, **options):
     """Gradients of ``sum(dout * attention(q, k, v, ...))`` in float64, as a dict with the keys
     ``dq, dk, dv, dbias, drel_bias, drel_q, drel_k`` (None for a term not given), each of the
     shape of its input as passed (broadcast dimensions summed).
 
     Written from the definition, one query row at a time over its visible keys only: the row's
-    logits ``s`` (every term densely, in the documented order), ``p = softmax(s)``, ``dp =
-    V dO_i``, the softmax Jacobian ``J = diag(p) - p p^T`` and ``ds = J dp``, then the chain rule
-    through the soft cap (``d/dx c tanh(x / c) = 1 - tanh(x / c)^2``) into each term.
+    logits ``s`` (:func:`_logits`), ``p = softmax(s)``, ``dp = V dO_i``, the softmax Jacobian
+    ``J = diag(p) - p p^T`` and ``ds = J dp``, then the chain rule through the soft cap
+    (``d/dx c tanh(x / c) = 1 - tanh(x / c)^2``) into each term.
     """
+    options = _options(options)
     q, k, v, dout = (_f64(x) for x in (q, k, v, dout))
-    lq, d = q.shape[-2:]
-    lk, dv_ = k.shape[-2], v.shape[-1]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
-    q_offset = lk - lq if q_offset is None else q_offset
-    rows, cols = np.arange(lq)[:, None], np.arange(lk)[None, :]
-    delta = cols - rows + (int(k_offset) - int(q_offset))         # key minus query position
-
-    def full(x, tail):
-        return np.broadcast_to(_f64(x), batch + tail)
-
-    Q, K, V = full(q, (lq, d)), full(k, (lk, d)), full(v, (lk, dv_))
-    dO = full(dout, (lq, dv_))
-    content = scale * np.einsum("...id,...jd->...ij", Q, K)
-    if rel_q is not None:
-        RQ, RK = full(rel_q, (lq, rel_q.shape[-1])), full(rel_k, rel_k.shape[-2:])
-        kidx = _table_index(delta, RK.shape[-2])                  # (Lq, Lk) table entries
-        content = content + np.einsum("...id,...ijd->...ij", RQ, RK[..., kidx, :])
-    terms = np.zeros(batch + (lq, lk))                            # every additive term
-    if bias is not None:
-        if bias_block is None:
-            terms = terms + full(bias, (lq, lk))
-        else:
-            r, c = (bias_block, bias_block) if np.ndim(bias_block) == 0 else bias_block
-            bi, bj = np.arange(lq) // r, np.arange(lk) // c
-            coarse = full(bias, (-(-lq // r), -(-lk // c)))
-            terms = terms + coarse[..., bi[:, None], bj[None, :]]
-    if rel_bias is not None:
-        table = full(rel_bias, (rel_bias.shape[-1],))
-        bidx = _table_index(delta, table.shape[-1])
-        terms = terms + table[..., bidx]
-    if alibi_slopes is not None:
-        terms = terms - full(alibi_slopes, ())[..., None, None] * np.abs(delta)
-    cap_content = softcap is not None and not softcap_bias
-    cap_logit = softcap is not None and softcap_bias
-    capped = softcap * np.tanh(content / softcap) if cap_content else content
-    pre = capped + terms
-    logits = softcap * np.tanh(pre / softcap) if cap_logit else pre
-
-    visible = np.ones(batch + (lq, lk), dtype=bool)
-    left, right = (None, None) if window is None else window
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    if left is not None:
-        visible &= delta >= -left
-    if right is not None:
-        visible &= delta <= right
-    if mask is not None:
-        visible &= _np(mask)
-    if kv_lengths is not None:
-        visible &= cols < np.broadcast_to(_np(kv_lengths), batch)[..., None, None]
+    batch = _batch(q, k, v)
+    lq, lk = q.shape[-2], k.shape[-2]
+    s = _logits(q, k, batch, **options)
+    Q, K, V, dO = _full(batch, q, k, v, dout)
+    d_logit, d_cap = _cap_slopes(s, options)
 
     dQ, dK, dV = np.zeros(Q.shape), np.zeros(K.shape), np.zeros(V.shape)
     d_terms = np.zeros(batch + (lq, lk))                          # gradient of each term
     d_content = np.zeros(batch + (lq, lk))                        # of the content score
     for idx in np.ndindex(*batch, lq):
-        b, i = idx[:-1], idx[-1]
-        seen = visible[idx]
+        b = idx[:-1]
+        seen = s.visible[idx]
         if not seen.any():
             continue
-        s = logits[idx][seen]
-        p = np.exp(s - s.max())
+        row = s.logits[idx][seen]
+        p = np.exp(row - row.max())
         p /= p.sum()
         dp = V[b][seen] @ dO[idx]
         ds = (np.diag(p) - np.outer(p, p)) @ dp                  # the softmax Jacobian
-        if cap_logit:
-            ds = ds * (1 - np.tanh(pre[idx][seen] / softcap) ** 2)
+        ds = ds * d_logit[idx][seen]
         d_terms[idx][seen] = ds
-        dc = ds * (1 - np.tanh(content[idx][seen] / softcap) ** 2) if cap_content else ds
+        dc = ds * d_cap[idx][seen]
         d_content[idx][seen] = dc
         dV[b][seen] += np.outer(p, dO[idx])
-        dQ[idx] += scale * dc @ K[b][seen]
-        dK[b][seen] += scale * np.outer(dc, Q[idx])
+        dQ[idx] += s.scale * dc @ K[b][seen]
+        dK[b][seen] += s.scale * np.outer(dc, Q[idx])
+    return dict(dq=_sum_to(dQ, q.shape), dk=_sum_to(dK, k.shape), dv=_sum_to(dV, v.shape),
+                **_term_gradients(s, d_terms, d_content, options))
 
-    grads = dict(dq=_sum_to(dQ, q.shape), dk=_sum_to(dK, k.shape), dv=_sum_to(dV, v.shape),
-                 dbias=None, drel_bias=None, drel_q=None, drel_k=None)
+
+def naive_attention_backward(dout, q, k, v, *, rounding, **options):
+    """The gradients of :func:`reference_attention_backward` computed naively in the precision
+    ``rounding`` (a dtype, or ``"tf32"``): the scores, ``P``, ``dP``, ``dS`` and each gradient
+    rounded to it, the matrix products of rounded operands accumulated in float32 (as a 16-bit,
+    TF32 or float32 GEMM; float64 for float64); the terms' gradients summed from the rounded
+    ``dS``. The computation FlashAttention holds a kernel's gradients against."""
+    options = _options(options)
+    rnd = _rounder(rounding)
+    q, k, v, dout = (_f64(x) for x in (q, k, v, dout))
+    batch = _batch(q, k, v)
+    s = _logits(q, k, batch, rounding, **options)
+    Q, K, V, dO = _full(batch, q, k, v, dout)
+    d_logit, d_cap = _cap_slopes(s, options)
+
+    x = np.where(s.visible, s.logits, -np.inf)
+    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
+    e = np.where(s.visible, np.exp(x - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    p = rnd(np.where(total > 0, e / np.where(total > 0, total, 1), 0.0))
+    dV = rnd(_product("...ij,...id->...jd", p, dO, rounding))
+    dp = rnd(_product("...id,...jd->...ij", dO, V, rounding))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))    # rowsum(P dP) = Delta
+    d_terms = rnd(ds * d_logit)
+    d_content = d_terms * d_cap
+    g = rnd(d_content * s.scale)                                  # of q . k
+    dQ = rnd(_product("...ij,...jd->...id", g, K, rounding))
+    dK = rnd(_product("...ij,...id->...jd", g, Q, rounding))
+    return dict(dq=_sum_to(dQ, q.shape), dk=_sum_to(dK, k.shape), dv=_sum_to(dV, v.shape),
+                **_term_gradients(s, d_terms, d_content, options))
+
+
+def _full(batch, q, k, v, dout):
+    """q, k, v and dout broadcast over the batch."""
+    return (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v, dout))
+
+
+def _cap_slopes(s, options):
+    """``(d logit / d pre, d capped / d content)``: the soft cap's slopes where it applies,
+    else 1."""
+    softcap, softcap_bias = options["softcap"], options["softcap_bias"]
+    one = np.ones(s.pre.shape)
+    if softcap is None:
+        return one, one
+    if softcap_bias:
+        return 1 - np.tanh(s.pre / softcap) ** 2, one
+    return one, 1 - np.tanh(s.content / softcap) ** 2
+
+
+def _term_gradients(s, d_terms, d_content, options):
+    """``dbias, drel_bias, drel_q, drel_k`` from the dense gradients of the additive terms and
+    of the content score, summed to each input's shape as passed (None for a term not given)."""
+    batch = d_terms.shape[:-2]
+    grads = dict(dbias=None, drel_bias=None, drel_q=None, drel_k=None)
+    bias = options["bias"]
     if bias is not None:
-        if bias_block is None:
-            grads["dbias"] = _sum_to(d_terms, np.shape(bias))
-        else:
-            g = np.zeros(batch + coarse.shape[-2:])
-            for i in range(lq):
-                for j in range(lk):
-                    g[..., bi[i], bj[j]] += d_terms[..., i, j]
-            grads["dbias"] = _sum_to(g, np.shape(bias))
-    if rel_bias is not None:
-        g = np.zeros(batch + table.shape[-1:])
-        for (i, j), e in np.ndenumerate(bidx):
-            g[..., e] += d_terms[..., i, j]
+        g = d_terms
+        if s.blocks is not None:
+            rows, cols = s.blocks
+            g = np.zeros(batch + np.shape(bias)[-2:])
+            np.add.at(g, (..., rows[:, None], cols[None, :]), d_terms)
+        grads["dbias"] = _sum_to(g, np.shape(bias))
+    if options["rel_bias"] is not None:
+        rel_bias = options["rel_bias"]
+        g = np.zeros(batch + np.shape(rel_bias)[-1:])
+        np.add.at(g, (..., s.bidx), d_terms)
         grads["drel_bias"] = _sum_to(g, np.shape(rel_bias))
-    if rel_q is not None:
-        gq, gk = np.zeros(RQ.shape), np.zeros(RK.shape)
-        for (i, j), e in np.ndenumerate(kidx):
-            dc = d_content[..., i, j, None]
-            gq[..., i, :] += dc * RK[..., e, :]
-            gk[..., e, :] += dc * RQ[..., i, :]
+    if options["rel_q"] is not None:
+        rel_q, rel_k = options["rel_q"], options["rel_k"]
+        lq = d_terms.shape[-2]
+        RQ = np.broadcast_to(_f64(rel_q), batch + (lq, np.shape(rel_q)[-1]))
+        RK = np.broadcast_to(_f64(rel_k), batch + np.shape(rel_k)[-2:])
+        gq = np.einsum("...ij,...ijd->...id", d_content, RK[..., s.kidx, :])
+        gk = np.zeros(RK.shape)
+        for (i, j), e in np.ndenumerate(s.kidx):
+            gk[..., e, :] += d_content[..., i, j, None] * RQ[..., i, :]
         grads["drel_q"] = _sum_to(gq, np.shape(rel_q))
         grads["drel_k"] = _sum_to(gk, np.shape(rel_k))
     return grads

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle import reference_attention
+from oracle import (naive_attention, naive_attention_backward, reference_attention,
+                    reference_attention_backward)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,9 +31,27 @@ except ImportError:   # optional: bfloat16 cases are skipped without it
 
 DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
-# Absolute error allowed against the float64 oracle, relative to the scale of the output
-# (values drawn from N(0, 1) so |out| <= a few). float32/float64: a few ulp of the inputs'
-# precision amplified by the length of the dot products; 16-bit: output rounding dominates.
+# One accuracy rule for every engine, forward and backward (FlashAttention's; stated in
+# docs/semantics.md, "Dtypes and accuracy"): a result's error against the float64 oracle is at
+# most ACCURACY_FACTOR times the error of the naive computation in the same precision
+# (oracle.naive_attention, oracle.naive_attention_backward), plus ACCURACY_FLOOR of the
+# result's magnitude (at least 1). The floor decides for float64, whose naive computation is
+# the oracle up to ~1e-16, and absorbs what float32 kernels inherit from a float32 forward
+# (its out and lse: errors of 2-4x the naive one, measured).
+ACCURACY_FACTOR = 2.0
+ACCURACY_FLOOR = {
+    np.dtype(np.float64): 1e-13,
+    np.dtype(np.float32): 1e-6,
+    "tf32": 1e-6,
+    np.dtype(np.float16): 1e-5,
+}
+if BFLOAT16 is not None:
+    ACCURACY_FLOOR[BFLOAT16] = 1e-4
+
+# Absolute error allowed against the float64 oracle for the checks that have no naive
+# computation beside them (statistics, Dask chunks, frameworks), relative to the scale of the
+# output (values drawn from N(0, 1) so |out| <= a few). float32/float64: a few ulp of the
+# inputs' precision amplified by the length of the dot products; 16-bit: output rounding.
 TOLERANCE = {
     np.dtype(np.float64): 1e-12,
     np.dtype(np.float32): 2e-5,
@@ -64,6 +83,83 @@ def peak_traced_bytes(fn, warm_up=()):
 def tolerance(dtype) -> float:
     """The absolute error allowed for ``dtype`` against the float64 oracle."""
     return TOLERANCE[np.dtype(dtype)]
+
+
+def precision_of(dtype, precision="highest"):
+    """The precision a computation in ``dtype`` runs at: ``"tf32"`` for float32 products at
+    ``precision="tf32"``, else the dtype (the key of ACCURACY_FLOOR and the oracle's
+    ``rounding``)."""
+    dtype = np.dtype(dtype)
+    return "tf32" if precision == "tf32" and dtype == np.float32 else dtype
+
+
+def accumulation_of(dtype):
+    """The dtype of ``lse`` and of the accumulations: float64 for float64, else float32."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def assert_accurate(name, got, exact, naive, precision):
+    """The accuracy rule: ``max |got - exact| <= ACCURACY_FACTOR * max |naive - exact| +
+    ACCURACY_FLOOR[precision] * max(1, max |exact|)`` over the entries where ``exact`` is
+    finite, whose non-finite entries ``got`` must repeat. A result returned in a narrower
+    dtype than the computation's (a float32 bias gradient beside float64 q) is rounded once
+    more: its epsilon joins the floor."""
+    got, exact = np.asarray(got), np.asarray(exact)
+    assert got.shape == exact.shape, f"{name}: shape {got.shape} != {exact.shape}"
+    finite = np.isfinite(exact)
+    assert np.array_equal(got[~finite].astype(np.float64), exact[~finite], equal_nan=True), (
+        f"{name}: non-finite entries differ")
+    got64, exact = got[finite].astype(np.float64), exact[finite]
+    err = float(np.max(np.abs(got64 - exact), initial=0.0))
+    naive_err = float(np.max(np.abs(np.asarray(naive)[finite] - exact), initial=0.0))
+    magnitude = max(1.0, float(np.max(np.abs(exact), initial=0.0)))
+    floor = ACCURACY_FLOOR[precision]
+    computed = np.dtype(np.float32 if isinstance(precision, str) else precision)
+    if got.dtype != computed and got.dtype.itemsize < accumulation_of(computed).itemsize:
+        floor += float(np.finfo(got.dtype).eps)
+    limit = ACCURACY_FACTOR * naive_err + floor * magnitude
+    assert err <= limit, f"{name}: error {err:.3g} > {limit:.3g} (naive {naive_err:.3g})"
+    return err, limit
+
+
+def check_attention(q, k, v, out, lse, options, precision="highest"):
+    """``out`` (in q's dtype) and ``lse`` (None when not returned; in the accumulation dtype)
+    of ``attention(q, k, v, **options)`` against the oracle, by the accuracy rule: ``out``
+    against the naive computation in q's precision, ``lse`` against the naive one in the
+    accumulation dtype (the scores a 16-bit engine sums in float32); fully masked rows exact."""
+    options = {n: x for n, x in options.items() if n != "return_lse"}
+    ref_out, ref_lse = reference_attention(q, k, v, **options)
+    assert out.dtype == q.dtype, (out.dtype, q.dtype)
+    rounding = precision_of(q.dtype, precision)
+    naive_out, _ = naive_attention(q, k, v, rounding=rounding, **options)
+    assert_accurate("out", out, ref_out, naive_out, rounding)
+    if lse is not None:
+        acc = accumulation_of(q.dtype)
+        assert lse.dtype == acc, (lse.dtype, acc)
+        _, naive_lse = naive_attention(q, k, v, rounding="tf32" if rounding == "tf32" else acc,
+                                       **options)
+        assert_accurate("lse", lse, ref_lse, naive_lse,
+                        "tf32" if rounding == "tf32" else acc)
+
+
+#: The gradients :func:`check_gradients` compares, in attention_backward's field order.
+GRADIENT_NAMES = ("dq", "dk", "dv", "dbias", "drel_bias", "drel_q", "drel_k")
+
+
+def check_gradients(got, dout, q, k, v, options, precision="highest"):
+    """The gradients ``got`` (a mapping, or attention_backward's result; a name missing or None
+    where the oracle has None) against the oracle, each by the accuracy rule against the
+    naive computation in q's precision (``"tf32"`` at ``precision="tf32"``)."""
+    rounding = precision_of(q.dtype, precision)
+    exact = reference_attention_backward(dout, q, k, v, **options)
+    naive = naive_attention_backward(dout, q, k, v, rounding=rounding, **options)
+    for name in GRADIENT_NAMES:
+        g = got.get(name) if isinstance(got, dict) else getattr(got, name, None)
+        if exact[name] is None:
+            assert g is None, name
+            continue
+        assert g is not None, name
+        assert_accurate(name, g, exact[name], naive[name], rounding)
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,8 +494,6 @@ def _run_barrier_case(case, sources, tsan):
 
 def _run_backward_barrier_case(q, k, v, rng, sources, options):
     """The backward's barrier case: max error of dq, dk, dv against the float64 oracle."""
-    from oracle import reference_attention_backward
-
     from cuonline.engines import cuda_backward
     from cuonline.engines.target import overrides
     dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(q.dtype)

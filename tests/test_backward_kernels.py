@@ -1,10 +1,10 @@
-"""The CUDA backward kernels (``attention_bwd_simt``) against a float64 dense reference.
+"""The CUDA backward kernels (``attention_bwd_simt``) against the float64 oracle.
 
 Emulated on the CPU (``backend="emulate"``) and, marked ``gpu``, on CuPy arrays, through the
-engine's per-batch entry :func:`cuonline.engines.cuda_backward.gradients`. Tolerances follow
-FlashAttention's rule: the kernel's error against the float64 reference is at most a small
-multiple of the error of a naive computation in the same precision (every intermediate
-rounded to the input dtype), plus a floor for float64, where the naive error is ~1e-16.
+engine's per-batch entry :func:`cuonline.engines.cuda_backward.gradients`. Tolerances: the
+accuracy rule of ``tests/support.py`` (FlashAttention's): the error against
+:func:`oracle.reference_attention_backward` is at most a small multiple of the error of the
+naive computation in the same precision (:func:`oracle.naive_attention_backward`), plus a floor.
 Then determinism (bitwise), zero and NaN rows, the host's dS reductions, the planner, the
 listing, and ThreadSanitizer. The barrier mutants of ``attention_bwd_simt.cu`` run in
 ``tests/test_barrier_mutants.py`` (its case ``bwd_simt`` in ``tests/support.py``).
@@ -19,6 +19,7 @@ import re
 import numpy as np
 import pytest
 from mutants import barrier_mutant_sources, barrier_mutants
+import support
 from support import (BFLOAT16, check_races, cuda_backend_params, make_case, needs_emulation,
                      problem_of)
 
@@ -29,90 +30,6 @@ from cuonline.kernels.specs import AttentionBwdSimtSpec
 BACKENDS = cuda_backend_params()
 DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 GRADIENTS = ("dq", "dk", "dv", "dbias")
-
-# --------------------------------------------------------------------------------------------
-# the reference: dense, float64, from the softmax Jacobian
-
-
-def reference_backward(q, k, v, dout, *, rounding=None, scale=None, causal=False, window=None,
-                       bias=None, mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
-                       softcap_bias=False, q_offset=None, k_offset=0):
-    """``{dq, dk, dv, dbias}`` (dbias: per batch element, ``batch + (lq, lk)``) of
-    ``sum(dout * attention(q, k, v))``, written from the definitions in float64.
-
-    ``rounding`` (a dtype): every intermediate (scores, weights, dP, dS, gradients) rounded to
-    it, the naive same-precision computation the tolerances are measured against.
-    """
-    def rnd(x):
-        return x if rounding is None else x.astype(rounding).astype(np.float64)
-
-    def product(spec, a, b):
-        # a naive computation's matrix products accumulate in float32 (as a float16 or float32
-        # GEMM does), the reference's in float64
-        if rounding is None:
-            return np.einsum(spec, a, b)
-        return np.einsum(spec, rnd(a).astype(np.float32), rnd(b).astype(np.float32)).astype(
-            np.float64)
-
-    q, k, v, dout = (np.asarray(x).astype(np.float64) for x in (q, k, v, dout))
-    lq, d = q.shape[-2:]
-    lk = k.shape[-2]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], dout.shape[:-2])
-    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
-    q_offset = lk - lq if q_offset is None else q_offset
-    delta = np.arange(lk)[None, :] - np.arange(lq)[:, None] + (k_offset - q_offset)
-
-    # logits: content (capped unless softcap_bias), bias, ALiBi, the cap of the whole logit
-    content = rnd(scale * np.broadcast_to(product("...id,...jd->...ij", q, k),
-                                          batch + (lq, lk)))
-    d_content = np.full_like(content, scale)        # d content / d (q·k)
-    if softcap is not None and not softcap_bias:
-        t = np.tanh(content / softcap)
-        content, d_content = softcap * t, scale * (1 - t * t)
-    z = content
-    if bias is not None:
-        z = z + np.asarray(bias, dtype=np.float64)
-    if alibi_slopes is not None:
-        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), batch)
-        z = z - slopes[..., None, None] * np.abs(delta)
-    d_logit = np.ones_like(z)                        # d logit / d z
-    if softcap is not None and softcap_bias:
-        t = np.tanh(z / softcap)
-        z, d_logit = softcap * t, 1 - t * t
-
-    visible = np.ones(batch + (lq, lk), dtype=bool)
-    if causal:
-        visible &= delta <= 0
-    if window is not None:
-        left, right = window
-        visible &= (delta >= -left if left is not None else True)
-        visible &= (delta <= right if right is not None else True)
-    if mask is not None:
-        visible &= np.asarray(mask)
-    if kv_lengths is not None:
-        lengths = np.broadcast_to(np.asarray(kv_lengths), batch)
-        visible &= np.arange(lk) < lengths[..., None, None]
-
-    # P: the softmax over the visible keys; rows that see none have P = 0
-    x = np.where(visible, z, -np.inf)
-    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
-    e = np.where(visible, np.exp(x - np.where(np.isfinite(m), m, 0)), 0.0)
-    total = e.sum(axis=-1, keepdims=True)
-    p = rnd(np.where(total > 0, e / np.where(total > 0, total, 1), 0.0))
-
-    def bc(a, rows):
-        return np.broadcast_to(a, batch + (rows, a.shape[-1]))
-
-    do, vb, kb, qb = bc(dout, lq), bc(v, lk), bc(k, lk), bc(q, lq)
-    dv = product("...ij,...id->...jd", p, do)
-    dp = rnd(product("...id,...jd->...ij", do, vb))
-    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))   # rowsum(P dP) = Delta
-    g_bias = rnd(ds * d_logit)
-    g_qk = rnd(g_bias * d_content)
-    dq = product("...ij,...jd->...id", g_qk, kb)
-    dk = product("...ij,...id->...jd", g_qk, qb)
-    return {"dq": rnd(dq), "dk": rnd(dk), "dv": rnd(dv), "dbias": g_bias}
-
 
 # --------------------------------------------------------------------------------------------
 # running the engine
@@ -144,34 +61,13 @@ def case(seed, dtype, options=(), *, lq=70, lk=45, d=16, dv=24, batch=(2,)):
     return q, k, v, dout, opts
 
 
-#: Error floor per dtype, relative to the gradient's largest magnitude: float64's naive
-#: error is taken as 0 (the floor alone decides); float32's kernel also inherits the float32
-#: forward's out and lse (Delta and P), errors of about 2-4x the naive one at these sizes
-#: (measured: kernel <= 1e-6, naive >= 1.3e-7 for gradients of magnitude 1-3).
-FLOOR = {np.dtype(np.float64): 1e-13, np.dtype(np.float32): 1e-6, np.dtype(np.float16): 1e-5}
-if BFLOAT16 is not None:
-    FLOOR[BFLOAT16] = 1e-4
-#: FlashAttention holds its gradients to 2x the naive error; ours accumulate in float32 even
-#: for 16-bit inputs and are 5-1000x below it there (measured).
-FACTOR = 2.0
-
-
 def check_gradients(got, q, k, v, dout, options):
-    dtype = np.dtype(q.dtype)
-    exact = reference_backward(q, k, v, dout, **options)
-    # naive float64 is the reference itself: the floor alone decides there
-    naive = exact if dtype == np.float64 else reference_backward(q, k, v, dout, rounding=dtype,
-                                                                 **options)
-    for name in GRADIENTS:
-        if got.get(name) is None:
-            assert name == "dbias" and options.get("bias") is None
-            continue
-        assert got[name].shape == exact[name].shape, name
-        err = float(np.max(np.abs(got[name] - exact[name]), initial=0.0))
-        naive_err = float(np.max(np.abs(naive[name] - exact[name]), initial=0.0))
-        scale = max(1.0, float(np.max(np.abs(exact[name]), initial=0.0)))
-        limit = FACTOR * naive_err + FLOOR[dtype] * scale
-        assert err <= limit, f"{name}: error {err:.3g} > {limit:.3g} (naive {naive_err:.3g})"
+    """The per-batch gradients of :func:`run_backward` by the accuracy rule (tests/support.py):
+    its ``dbias``, one per batch element, is the gradient of a bias of the full batch shape."""
+    if options.get("bias") is not None:
+        full = np.broadcast_shapes(q.shape[:-1], dout.shape[:-1]) + (k.shape[-2],)
+        options = dict(options, bias=np.broadcast_to(options["bias"], full))
+    support.check_gradients(got, dout, q, k, v, options)
 
 
 # --------------------------------------------------------------------------------------------

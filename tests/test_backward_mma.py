@@ -2,11 +2,11 @@
 
 Emulated on the CPU (``backend="emulate"``, planned for sm_90 where 16-bit, float64 and TF32
 backward calls take this family) and, marked ``gpu``, on CuPy arrays, through the public
-:func:`cuonline.attention_backward`. Tolerances as ``tests/test_backward_kernels.py``
-(FlashAttention's rule): the error against :func:`oracle.reference_attention_backward` is at
-most twice the error of a naive computation in the input's precision (every intermediate
-rounded to it, products accumulated in float32) plus a small floor. Then the dispatch rule,
-bitwise determinism, zero rows, and ThreadSanitizer; the barrier mutants of
+:func:`cuonline.attention_backward`. Tolerances: the accuracy rule of ``tests/support.py``
+(FlashAttention's): the error against :func:`oracle.reference_attention_backward` is at most
+twice the error of the naive computation in the input's precision (TF32 at
+``precision="tf32"``; :func:`oracle.naive_attention_backward`) plus a small floor. Then the
+dispatch rule, bitwise determinism, zero rows, and ThreadSanitizer; the barrier mutants of
 ``attention_bwd_mma.cu`` run in ``tests/test_barrier_mutants.py`` (case ``bwd_mma`` in
 ``tests/support.py``).
 
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from mutants import barrier_mutant_sources, barrier_mutants
 from oracle import reference_attention_backward
-from support import BFLOAT16, check_races, cuda_backend_params, make_case, needs_emulation
+from support import (BFLOAT16, check_gradients, check_races, cuda_backend_params, make_case,
+                     needs_emulation)
 
 from cuonline.kernels import families, features, heuristics
 from cuonline.kernels.specs import AttentionBwdMmaSpec
@@ -29,151 +30,7 @@ DTYPES16 = [np.float16] + ([BFLOAT16] if BFLOAT16 is not None else [])
 GRADIENTS = ("dq", "dk", "dv", "dbias")
 
 # --------------------------------------------------------------------------------------------
-# the naive same-precision computation the tolerances are measured against
-
-
-def _dense_terms(lq, lk, batch, *, scale, causal, window, bias, bias_block, mask, kv_lengths,
-                 alibi_slopes, rel_bias, rel_q, rel_k, q_offset, k_offset):
-    """Float64 dense pieces of the logit: the content's relative part ``rel`` (added before
-    the cap), the additive part after it, and the visibility, from the documented order."""
-    q_offset = lk - lq if q_offset is None else q_offset
-    delta = np.arange(lk)[None, :] - np.arange(lq)[:, None] + (int(k_offset) - int(q_offset))
-    rel = np.zeros(batch + (lq, lk))
-    if rel_q is not None:
-        radius = (rel_k.shape[-2] - 1) // 2
-        table = np.asarray(rel_k, dtype=np.float64)[..., np.clip(delta, -radius, radius) + radius,
-                                                    :]            # (..., lq, lk, Dr)
-        rel = rel + np.einsum("...id,...ijd->...ij", np.asarray(rel_q, dtype=np.float64), table)
-    add = np.zeros(batch + (lq, lk))
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float64)
-        if bias_block is not None:
-            r, c = (bias_block, bias_block) if np.isscalar(bias_block) else bias_block
-            b = np.repeat(np.repeat(b, r, axis=-2), c, axis=-1)[..., :lq, :lk]
-        add = add + b
-    if rel_bias is not None:
-        radius = (rel_bias.shape[-1] - 1) // 2
-        add = add + np.asarray(rel_bias, dtype=np.float64)[..., None, :][
-            ..., np.clip(delta, -radius, radius) + radius]
-    if alibi_slopes is not None:
-        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), batch)
-        add = add - slopes[..., None, None] * np.abs(delta)
-    visible = np.ones(batch + (lq, lk), dtype=bool)
-    if causal:
-        visible &= delta <= 0
-    if window is not None:
-        left, right = window
-        visible &= (delta >= -left if left is not None else True)
-        visible &= (delta <= right if right is not None else True)
-    if mask is not None:
-        visible &= np.asarray(mask)
-    if kv_lengths is not None:
-        lengths = np.broadcast_to(np.asarray(kv_lengths), batch)
-        visible &= np.arange(lk) < lengths[..., None, None]
-    return rel, add, visible
-
-
-def to_tf32(x):
-    """``x`` rounded to TF32 (10 mantissa bits, nearest with ties away from zero: cvt.rna),
-    as float64."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(
-        np.float64)
-
-
-def naive_backward(dout, q, k, v, dtype, *, scale=None, softcap=None, **options):
-    """``{dq, dk, dv, dbias}`` (dbias dense, per batch element) with every intermediate
-    rounded to ``dtype`` (``"tf32"``: to TF32) and matrix products accumulated in float32 (as
-    a 16-bit or TF32 GEMM)."""
-    def rnd(x):
-        return to_tf32(x) if dtype == "tf32" else x.astype(dtype).astype(np.float64)
-
-    def product(spec, a, b):
-        return np.einsum(spec, rnd(a).astype(np.float32), rnd(b).astype(np.float32)).astype(
-            np.float64)
-
-    q, k, v, dout = (np.asarray(x).astype(np.float64) for x in (q, k, v, dout))
-    lq, d = q.shape[-2:]
-    lk = k.shape[-2]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], dout.shape[:-2])
-    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
-    terms = {n: options.get(n) for n in ("causal", "window", "bias", "bias_block", "mask",
-                                         "kv_lengths", "alibi_slopes", "rel_bias", "rel_q",
-                                         "rel_k", "q_offset")}
-    rel, add, visible = _dense_terms(lq, lk, batch, scale=scale, k_offset=options.get(
-        "k_offset", 0), **{n: (False if n == "causal" and x is None else x)
-                           for n, x in terms.items()})
-    content = rnd(scale * product("...id,...jd->...ij", q, k) + rel)
-    d_content = np.ones_like(content)
-    if softcap is not None:
-        t = np.tanh(content / softcap)
-        content, d_content = softcap * t, 1 - t * t
-    z = np.where(visible, content + add, -np.inf)
-    m = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
-    e = np.where(visible, np.exp(z - np.where(np.isfinite(m), m, 0)), 0.0)
-    total = e.sum(axis=-1, keepdims=True)
-    p = rnd(np.where(total > 0, e / np.where(total > 0, total, 1), 0.0))
-
-    def bc(a, rows):
-        return np.broadcast_to(a, batch + (rows, a.shape[-1]))
-
-    do, vb, kb, qb = bc(dout, lq), bc(v, lk), bc(k, lk), bc(q, lq)
-    dv = product("...ij,...id->...jd", p, do)
-    dp = rnd(product("...id,...jd->...ij", do, vb))
-    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
-    g = rnd(ds * d_content * scale)
-    return {"dq": rnd(product("...ij,...jd->...id", g, kb)),
-            "dk": rnd(product("...ij,...id->...jd", g, qb)), "dv": rnd(dv), "dbias": ds}
-
-
-#: FlashAttention's factor, and floors relative to the gradient's magnitude (as
-#: tests/test_backward_kernels.py).
-FACTOR = 2.0
-FLOOR = {np.dtype(np.float16): 1e-5, "tf32": 1e-6, np.dtype(np.float64): 1e-13}
-if BFLOAT16 is not None:
-    FLOOR[BFLOAT16] = 1e-4
-
-
-def _sum_to(x, shape):
-    """Sum ``x`` over the leading dimensions a broadcast input of ``shape`` gained."""
-    x = np.asarray(x)
-    while x.ndim > len(shape):
-        x = x.sum(axis=0)
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
-
-
-def check_gradients(got, dout, q, k, v, options, precision="highest"):
-    dtype = "tf32" if precision == "tf32" else np.dtype(q.dtype)
-    exact = reference_attention_backward(dout, q, k, v, **options)
-    # float64: the naive computation is the reference itself, the floor alone decides
-    naive = exact if dtype == np.float64 else naive_backward(dout, q, k, v, dtype, **options)
-    naive = dict(naive)
-    if options.get("bias") is not None and options.get("bias_block") is None:
-        naive["dbias"] = _sum_to(naive["dbias"], np.shape(options["bias"]))
-    else:
-        naive["dbias"] = None
-    for name in ("dq", "dk", "dv", "dbias", "drel_bias", "drel_q", "drel_k"):
-        g = getattr(got, name)
-        if exact[name] is None:
-            assert g is None, name
-            continue
-        assert g.shape == exact[name].shape, name
-        # a gradient returned in another dtype than q's (a float32 bias beside float64 q)
-        # is rounded to it once more
-        returned = float(np.finfo(g.dtype).eps) if g.dtype != q.dtype else 0.0
-        g = np.asarray(g, dtype=np.float64)
-        err = float(np.max(np.abs(g - exact[name]), initial=0.0))
-        magnitude = max(1.0, float(np.max(np.abs(exact[name]), initial=0.0)))
-        if naive.get(name) is not None:
-            naive_err = float(np.max(np.abs(naive[name] - exact[name]), initial=0.0))
-            limit = FACTOR * naive_err + (FLOOR[dtype] + returned) * magnitude
-        else:
-            # the coarse and relative terms' gradients: sums of the checked dS over many
-            # places, in float32 on the host; held to the input precision's rounding
-            eps = 2.0**-10 if dtype == "tf32" else float(np.finfo(dtype).eps)
-            limit = (4 * eps + returned) * magnitude
-        assert err <= limit, f"{name}: error {err:.3g} > {limit:.3g}"
+# running the engine
 
 
 def run(backend, dout, q, k, v, options, precision="highest"):
