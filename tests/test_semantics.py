@@ -6,8 +6,8 @@ import warnings
 
 import numpy as np
 
-from support import tolerance
-from oracle import reference_attention
+from oracle import naive_attention, reference_attention
+from support import ACCURACY_FACTOR, check_attention
 
 
 def normal(rng, shape, dtype=np.float32):
@@ -33,7 +33,7 @@ def test_window_that_sees_nothing(engine, rng):
     out, lse = engine.attention(q, k, v, causal=True, return_lse=True)
     assert np.all(out[:6] == 0) and np.all(lse[:6] == -np.inf)
     assert np.all(np.isfinite(lse[6:]))
-    np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True)[0], atol=2e-5)
+    check_attention(q, k, v, out, lse, dict(causal=True))
 
 
 def test_causal_is_bottom_right_aligned(engine, rng):
@@ -53,6 +53,9 @@ def test_nan_in_a_query_row_stays_in_that_row(engine, rng):
     assert np.all(np.isnan(out[7])) and np.isnan(lse[7])
     rows = np.arange(30) != 7
     assert np.all(np.isfinite(out[rows])) and np.all(np.isfinite(lse[rows]))
+    # and the other rows are the attention of the clean queries
+    q[7] = 0
+    check_attention(q[rows], k, v, out[rows], lse[rows], {})
 
 
 def test_padding_past_kv_lengths_is_never_read(engine, rng):
@@ -74,8 +77,9 @@ def test_empty_lengths(engine, rng):
     out, lse = engine.attention(normal(rng, (2, 0, 4)), normal(rng, (2, 6, 4)),
                                 normal(rng, (2, 6, 3)), return_lse=True)
     assert out.shape == (2, 0, 3) and lse.shape == (2, 0)
-    out = engine.attention(normal(rng, (0, 5, 4)), normal(rng, (0, 6, 4)), normal(rng, (0, 6, 3)))
-    assert out.shape == (0, 5, 3)
+    out, lse = engine.attention(normal(rng, (0, 5, 4)), normal(rng, (0, 6, 4)),
+                                normal(rng, (0, 6, 3)), return_lse=True)
+    assert out.shape == (0, 5, 3) and lse.shape == (0, 5)
 
 
 def test_any_strides(engine, rng):
@@ -84,8 +88,7 @@ def test_any_strides(engine, rng):
     k = np.swapaxes(normal(rng, (2, 16, 30)), -1, -2)    # transposed (Lk, D) view
     v = normal(rng, (30, 6))[None]             # zero-stride broadcast over the batch
     out = engine.attention(q, k, v)
-    want = reference_attention(q, k, v)[0]
-    np.testing.assert_allclose(out, want, atol=tolerance(np.float32))
+    check_attention(q, k, v, out, None, {})
 
 
 def test_huge_scores_do_not_overflow(engine, rng):
@@ -101,15 +104,15 @@ def test_huge_scores_do_not_overflow(engine, rng):
 
 
 def test_float16_error_within_twice_naive(engine, rng):
-    """16-bit accuracy: at most 2x the error of a naive float16 computation vs float64."""
+    """16-bit accuracy: at most 2x the error of a naive float16 computation vs float64, here
+    without the accuracy rule's floor (the contract docs/semantics.md states)."""
     q, k, v = (rng.standard_normal((4, 100, 64)).astype(np.float16) for _ in range(3))
     ref = reference_attention(q, k, v)[0]
-    s = (q @ np.swapaxes(k, -1, -2)) * np.float16(1 / 8)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    naive = (p / p.sum(-1, keepdims=True)) @ v
-    naive_error = np.abs(naive.astype(np.float64) - ref).max()
-    error = np.abs(engine.attention(q, k, v).astype(np.float64) - ref).max()
-    assert error <= 2 * naive_error, (error, naive_error)
+    naive_error = np.abs(naive_attention(q, k, v, rounding=np.float16)[0] - ref).max()
+    out, lse = engine.attention(q, k, v, return_lse=True)
+    error = np.abs(out.astype(np.float64) - ref).max()
+    assert error <= ACCURACY_FACTOR * naive_error, (error, naive_error)
+    check_attention(q, k, v, out, lse, {})
 
 
 def test_bias_broadcast_over_batch_and_queries(engine, rng):
@@ -117,5 +120,4 @@ def test_bias_broadcast_over_batch_and_queries(engine, rng):
     q, k, v = (normal(rng, (4, 32, 8)) for _ in range(3))
     row = normal(rng, (32,))
     out = engine.attention(q, k, v, bias=row)
-    want = reference_attention(q, k, v, bias=row)[0]
-    np.testing.assert_allclose(out, want, atol=tolerance(np.float32))
+    check_attention(q, k, v, out, None, dict(bias=row))
