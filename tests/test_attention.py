@@ -9,7 +9,8 @@ import pytest
 
 import cuonline
 import cuonline.engines.numpy as numpy_engine
-from support import DTYPES, check_attention
+from oracle import naive_attention, reference_attention
+from support import DTYPES, accumulation_of, assert_accurate, check_attention
 
 LENGTHS = [1, 17, 63, 64, 65, 127, 129, 300]
 # Lq < Lk, Lq > Lk and Lq == Lk, every length at least once on each side
@@ -37,6 +38,30 @@ def data(rng, batch_q, batch_k, lq, lk, d, dv, dtype=np.float64):
 def check(q, k, v, **options):
     out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
     check_attention(q, k, v, out, lse, options)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16],
+                         ids=lambda t: np.dtype(t).name)
+def test_the_accuracy_rule_refuses_an_error_past_its_limit(rng, dtype):
+    # the rule of tests/support.py is not vacuous: the engine's result passes it, the same
+    # result with one entry moved to twice the rule's limit from the oracle does not
+    q, k, v = data(rng, (2,), (2,), 17, 33, 8, 8, dtype)
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    check_attention(q, k, v, out, lse, {})
+    ref_out, ref_lse = reference_attention(q, k, v)
+    naive_out, naive_lse = naive_attention(q, k, v, rounding=dtype)
+    _, limit = assert_accurate("out", out, ref_out, naive_out, np.dtype(dtype))
+    bad = out.copy()
+    bad[1, 5, 3] = ref_out[1, 5, 3] + 2 * limit
+    with pytest.raises(AssertionError, match="out: error"):
+        check_attention(q, k, v, bad, lse, {})
+    acc = accumulation_of(dtype)
+    _, naive_lse = naive_attention(q, k, v, rounding=acc)
+    _, limit = assert_accurate("lse", lse, ref_lse, naive_lse, acc)
+    bad = lse.copy()
+    bad[0, 2] = ref_lse[0, 2] - 2 * limit
+    with pytest.raises(AssertionError, match="lse: error"):
+        check_attention(q, k, v, out, bad, {})
 
 
 @pytest.mark.parametrize("lq,lk", LENGTH_PAIRS)
