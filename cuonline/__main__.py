@@ -121,7 +121,10 @@ def _sample_rows(length, rng):
 
 def _reference_rows(q, k, v, rel_bias, rows):
     """Float64 causal attention of one head (Lq = Lk) for the query ``rows`` only, with the
-    bias of score ``(i, j)`` read densely from ``rel_bias`` at distance ``j - i``."""
+    bias of score ``(i, j)`` read densely from ``rel_bias`` at distance ``j - i``.
+
+    Written here, not shared: the tests' oracle is not shipped, and the engines' own score
+    pipeline would check itself; this is only the demo's two terms, for sampled rows."""
     s = q[rows].astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[-1])
     s += rel_bias[(k.shape[0] - 1) + np.arange(k.shape[0])[None, :] - rows[:, None]]
     s[np.arange(k.shape[0])[None, :] > rows[:, None]] = -np.inf      # causal: key j <= row

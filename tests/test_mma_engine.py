@@ -75,6 +75,7 @@ def check(backend, q, k, v, options, *, precision="highest", **seams):
         assert np.all(np.abs(out - ref_out) <= out_b[..., None]), "tf32 out bound"
         lse_b = np.broadcast_to(lse_b, ref_lse.shape)
         assert np.all(np.abs(lse[finite] - ref_lse[finite]) <= lse_b[finite]), "tf32 lse bound"
+        check_attention(q, k, v, out, lse, options, precision="tf32")
         return
     check_attention(q, k, v, out, lse, options)
 
