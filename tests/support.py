@@ -131,15 +131,15 @@ def check_attention(q, k, v, out, lse, options, precision="highest"):
     ref_out, ref_lse = reference_attention(q, k, v, **options)
     assert out.dtype == q.dtype, (out.dtype, q.dtype)
     rounding = precision_of(q.dtype, precision)
-    naive_out, _ = naive_attention(q, k, v, rounding=rounding, **options)
+    naive_out, naive_lse = naive_attention(q, k, v, rounding=rounding, **options)
     assert_accurate("out", out, ref_out, naive_out, rounding)
     if lse is not None:
         acc = accumulation_of(q.dtype)
         assert lse.dtype == acc, (lse.dtype, acc)
-        _, naive_lse = naive_attention(q, k, v, rounding="tf32" if rounding == "tf32" else acc,
-                                       **options)
-        assert_accurate("lse", lse, ref_lse, naive_lse,
-                        "tf32" if rounding == "tf32" else acc)
+        lse_rounding = rounding if isinstance(rounding, str) or rounding == acc else acc
+        if lse_rounding != rounding:
+            _, naive_lse = naive_attention(q, k, v, rounding=lse_rounding, **options)
+        assert_accurate("lse", lse, ref_lse, naive_lse, lse_rounding)
 
 
 #: The gradients :func:`check_gradients` compares, in attention_backward's field order.
