@@ -1,8 +1,9 @@
 """The NumPy engine: tiled online-softmax attention on the CPU.
 
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
-there are too few such tasks to keep every core busy). Each task walks its keys in tiles of
-``BLOCK_K`` and keeps, per query row, the online-softmax state in natural units:
+there are too few such tasks to keep every core busy); the block and tile shapes come from the
+machine's L2 cache (:func:`blocks`). Each task walks its keys in tiles of ``BLOCK_K`` and
+keeps, per query row, the online-softmax state in natural units:
 
     m  running max of the scores seen so far
     l  sum of exp(s - m)
@@ -25,24 +26,30 @@ import math
 import numpy as np
 
 from .. import _semantics
-from .cpu_runtime import run_tasks, tile_kernel, workers
+from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import ScorePipeline, blas_ready, visible_product
 
-# 256 x 512 float32 tiles: the score tile (512 KiB) stays in L2 while the two matmuls stream
-# through it; measured fastest of {128, 256, 512}^2 at D=64 on the 2-core CI machine.
-BLOCK_Q = 256
-BLOCK_K = 512
-# A block of few query rows walks its keys in wider tiles (up to BLOCK_Q * BLOCK_K scores, at
-# most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of work against
-# tens of microseconds of per-tile Python.
+# The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile, one live score
+# tile: 512 x 512 float32 or 512 x 256 float64 on a 1 MiB L2); an int fixes it (tests set both).
+BLOCK_Q = None
+BLOCK_K = None
+# A block of few query rows walks its keys in wider tiles (up to rows x keys of the tile shape
+# scores, at most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of
+# work against tens of microseconds of per-tile Python.
 MAX_KEY_TILE = 16384
 
 
-def _key_tile(rows):
-    """Keys per tile for a block of ``rows`` query rows: a multiple of BLOCK_K."""
-    wide = BLOCK_Q * BLOCK_K // max(rows, 1) // BLOCK_K * BLOCK_K
-    return min(max(BLOCK_K, wide), MAX_KEY_TILE)
+def blocks(dtype):
+    """``(BLOCK_Q, BLOCK_K)``: query rows per task and keys per tile for scores of ``dtype``."""
+    rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=1)
+    return BLOCK_Q or rows, BLOCK_K or keys
+
+
+def _key_tile(rows, block_q, block_k):
+    """Keys per tile for a block of ``rows`` query rows: a multiple of ``block_k``."""
+    wide = block_q * block_k // max(rows, 1) // block_k * block_k
+    return min(max(block_k, wide), MAX_KEY_TILE)
 
 
 def attention(p):
@@ -88,7 +95,8 @@ def _plan(p):
     run as separate tasks and merged (see merge.py). The split counts the cores, not the
     call's ``workers``, so that ``workers`` changes the speed and never the rounding.
     """
-    block_q = min(BLOCK_Q, max(p.lq, 1))
+    block_q, block_k = blocks(p.acc_dtype)
+    block_q = min(block_q, max(p.lq, 1))
     q_blocks = [(i0, min(i0 + block_q, p.lq)) for i0 in range(0, p.lq, block_q)]
     n_blocks = p.nbatch * len(q_blocks)
     splits = max(1, workers() // n_blocks) if n_blocks else 1
@@ -99,11 +107,11 @@ def _plan(p):
             j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
                                                   p.diagonal_offset)
             j1 = max(j0, min(j1, kv_len))      # keys at or past kv_lengths are never read
-            n_tiles = math.ceil((j1 - j0) / BLOCK_K)
+            n_tiles = math.ceil((j1 - j0) / block_k)
             if splits == 1 or n_tiles < 2:
                 plan[b, i0, i1] = [(j0, j1)]
                 continue
-            step = math.ceil(n_tiles / min(splits, n_tiles)) * BLOCK_K
+            step = math.ceil(n_tiles / min(splits, n_tiles)) * block_k
             plan[b, i0, i1] = [(a, min(a + step, j1)) for a in range(j0, j1, step)]
     return plan
 
@@ -116,6 +124,27 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     """Normalised ``(out, lse)`` in the accumulation dtype for queries ``[i0, i1)`` of batch
     element ``b`` over keys ``[j_lo, j_hi)``."""
     acc_t = p.acc_dtype
+    # Plain products first: a NaN or inf that reaches a product stays in the unnormalised
+    # output (a sum, rescaled by factors <= 1, never cancels it), so one check of the (n, Dv)
+    # result stands for a check of every tile's product. Only then is the task redone with the
+    # per-tile path where a non-finite value reaches only the rows that see it.
+    m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=False)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(o).all()
+    if not finite:
+        m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        seen = l > 0
+        o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
+        o[np.isnan(l)] = np.nan
+        lse = m + np.log(l)
+    return o, lse.astype(acc_t, copy=False)
+
+
+def _online(p, b, i0, i1, j_lo, j_hi, careful):
+    """The online-softmax state ``(m, l, o)`` after keys ``[j_lo, j_hi)``; ``careful``: each
+    tile's P·V through :func:`visible_product` (else a plain product)."""
+    acc_t = p.acc_dtype
     n = i1 - i0
     # Scores and the running max stay in natural units: any finite score is representable,
     # whereas folding log2(e) in would overflow scores above max / 1.44. Only s - m <= 0 is
@@ -126,7 +155,7 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     l = np.zeros(n, dtype=acc_t)
     o = np.zeros((n, p.dv), dtype=acc_t)
     kernel = tile_kernel(acc_t)
-    width = _key_tile(n)
+    width = _key_tile(n, *blocks(acc_t))
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
         # the kernel takes the window band from lo and hi, with no pass over the tile
@@ -137,15 +166,13 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         else:
             m = _softmax_tile_ufuncs(s, m, l, o)
         # accumulate P·V: values at keys a row cannot see must not reach it (0 * NaN)
-        o += visible_product(s, blas_ready(v[js:je], acc_t),
-                             lambda js=js, je=je: pipeline.visible(js, je))
-
-    with np.errstate(divide="ignore", invalid="ignore"):
-        seen = l > 0
-        o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
-        o[np.isnan(l)] = np.nan
-        lse = m + np.log(l)
-    return o, lse.astype(acc_t, copy=False)
+        vt = blas_ready(v[js:je], acc_t)
+        if careful:
+            o += visible_product(s, vt, lambda js=js, je=je: pipeline.visible(js, je))
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                o += s @ vt
+    return m, l, o
 
 
 def _softmax_tile_ufuncs(s, m, l, o):

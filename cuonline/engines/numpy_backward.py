@@ -16,7 +16,8 @@ Work: the batch elements are cut into groups that share no gradient slot (an inp
 over batch elements joins them: a bias shared by every head makes one group of all heads), and
 each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A task walks its
 batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
-that may see them in tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients.
+that may see them in tiles of ``BLOCK_Q`` (both sized from the machine's L2, see
+:func:`blocks`), adding each tile's part straight into the gradients.
 Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
 ``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
 (:mod:`cuonline._lse_check`). No gradient slot is
@@ -31,13 +32,20 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients
-from .cpu_runtime import run_tasks, workers
+from .cpu_runtime import cache_sizes, run_tasks, score_tile, workers
 from .numpy_scores import ScorePipeline, blas_ready, skewed, visible_product
 
-# 256 x 256 tiles: the score, P and dS tiles (256 KiB each in float32) stay in L2 while the
-# five matrix products stream through them.
-BLOCK_Q = 256
-BLOCK_K = 256
+# The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile with two live
+# tiles, P and dS: 512 x 256 float32 or 256 x 256 float64 on a 1 MiB L2) so that both stay in
+# L2 while the five matrix products stream through them; an int fixes it (tests set both).
+BLOCK_Q = None
+BLOCK_K = None
+
+
+def blocks(dtype):
+    """``(BLOCK_Q, BLOCK_K)``: query rows and keys per tile for gradients of ``dtype``."""
+    rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=2)
+    return BLOCK_Q or rows, BLOCK_K or keys
 
 
 def attention_backward(bp):
@@ -82,13 +90,14 @@ def _plan(p, targets):
     so every plan gives the same bits; the plan counts the cores, never ``workers``.
     """
     groups = _groups(p.batch_shape, targets)
-    n_tiles = -(-p.lq // BLOCK_Q) * -(-p.lk // BLOCK_K)
+    block_q, block_k = blocks(p.acc_dtype)
+    n_tiles = -(-p.lq // block_q) * -(-p.lk // block_k)
     if len(groups) >= workers() or n_tiles < 2:
         return [(g, "all", None, None) for g in groups]
     tasks = []
     kv = {n: targets[n] for n in ("k", "v")}
     for g in _groups(p.batch_shape, kv):
-        tasks += [(g, "kv", j0, None) for j0 in range(0, p.lk, BLOCK_K)]
+        tasks += [(g, "kv", j0, None) for j0 in range(0, p.lk, block_k)]
     others = {n: t for n, t in targets.items() if n not in kv}
     padded = {n: t.padded(len(p.batch_shape)) for n, t in others.items()}
     # a query block's bias-like gradients are its own rows only for a full-row bias
@@ -96,7 +105,7 @@ def _plan(p, targets):
                   and (p.bias is None or padded["bias"][-2] == p.lq))
     for g in _groups(p.batch_shape, others):
         if split_rows:
-            tasks += [(g, "q", None, i0) for i0 in range(0, p.lq, BLOCK_Q)]
+            tasks += [(g, "q", None, i0) for i0 in range(0, p.lq, block_q)]
         else:
             tasks.append((g, "q", None, None))
     return tasks
@@ -179,7 +188,7 @@ class _RowSums:
     def __init__(self, p):
         self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
         self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
-        self.ones = np.ones(BLOCK_K, dtype=p.acc_dtype)
+        self.ones = np.ones(blocks(p.acc_dtype)[1], dtype=p.acc_dtype)
 
     def check(self, bp):
         p = bp.forward
@@ -204,17 +213,18 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
     slots = {name: t[name].slot(b) for name in t}
     dq, dk, dv = (buffers[n][slots[n]] for n in ("q", "k", "v"))     # (Lq, D), (Lk, D), (Lk, Dv)
     kv_part, q_part = part in ("all", "kv"), part in ("all", "q")
-    for j0 in range(0, e.kv_len, BLOCK_K):                 # keys past kv_lengths: never read
+    block_q, block_k = blocks(acc)
+    for j0 in range(0, e.kv_len, block_k):                 # keys past kv_lengths: never read
         if key_block is not None and j0 != key_block:
             continue
-        j1 = min(j0 + BLOCK_K, e.kv_len)
+        j1 = min(j0 + block_k, e.kv_len)
         r0, r1 = _visible_query_range(j0, j1, p)
         k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
-        for i0 in range(r0 // BLOCK_Q * BLOCK_Q, r1, BLOCK_Q):
+        for i0 in range(r0 // block_q * block_q, r1, block_q):
             if query_block is not None and i0 != query_block:
                 continue
-            i1 = min(i0 + BLOCK_Q, p.lq)
+            i1 = min(i0 + block_q, p.lq)
             a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
                                                 p.diagonal_offset)
             js, je = max(a, j0), min(z, j1)
