@@ -15,7 +15,9 @@ For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays
 
 Throughput counts 4 * Lq * Lk * D FLOPs per head, halved when causal. The BLAS ceiling (a
 2048 x 2048 matrix product per dtype, all cores) is measured in the same run and each engine's
-fraction of it printed. The summary gives the geometric mean and the worst of cuonline / torch.
+fraction of it printed. The preamble names the machine: CPU, load, the instruction sets numba
+and BLAS use (an ``OPENBLAS_CORETYPE`` that holds OpenBLAS to older kernels shows there), the
+caches and the tile shapes the engine takes from them. The summary gives the geometric mean and the worst of cuonline / torch.
 Finally cuonline alone at --memory-length reports its peak traced allocation beside the output
 size. Figures move with whatever else the machine does: compare ratios of one run.
 """
@@ -69,14 +71,30 @@ def torch_sdpa():
 
 
 def print_machine(title, ceilings, with_torch):
-    """The first lines of a CPU benchmark's report: what ran (``title``), the cores, NumPy's and
-    torch's versions, the BLAS library and its measured ceiling per dtype (``ceilings``)."""
-    from cuonline.engines.numpy import workers
+    """The first lines of a CPU benchmark's report, so a figure says which machine it belongs
+    to: what ran (``title``), the CPU model and cores, the load average, the instruction sets
+    numba compiles the tile kernels for and the kernel set BLAS chose, the caches and the tile
+    shapes the engines take from them, NumPy's and torch's versions (torch's own vector
+    level), and BLAS's measured ceiling per dtype (``ceilings``)."""
+    from cuonline.engines import numpy as forward
+    from cuonline.engines import numpy_backward as backward
+    from cuonline.engines.cpu_runtime import machine
 
-    torch = (f"torch {__import__('torch').__version__}" if with_torch
-             else "torch not installed")
-    print(f"{title}; {workers()} cores; numpy {np.__version__}; {torch}")
-    print("BLAS: " + blas_description())
+    info = machine()
+    torch = "torch not installed"
+    if with_torch:
+        import torch as t
+
+        torch = f"torch {t.__version__} ({t.backends.cpu.get_cpu_capability()})"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{title}; CPU {info['cpu']}, {info['cores']} cores; load average {load}")
+    print(f"numpy {np.__version__}; {torch}; numba target {info['numba']}")
+    print("BLAS: " + info["blas"])
+    caches = info["caches"]
+    print("caches per core: " + ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items())
+          + "; tiles (rows x keys): " + ", ".join(
+              f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
+              f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
     print("BLAS ceiling (2048^3 matmul, all cores): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
 
@@ -91,17 +109,6 @@ def best_seconds(fn, repeat):
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def blas_description():
-    """Which BLAS library and kernel set NumPy runs, and OPENBLAS_CORETYPE if it is pinned
-    (a pinned core type can leave a newer CPU on older kernels: the ceiling moves with it)."""
-    from threadpoolctl import threadpool_info
-
-    libs = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')}, "
-            f"{i.get('num_threads')} threads)" for i in threadpool_info() if i["user_api"] == "blas"]
-    pinned = os.environ.get("OPENBLAS_CORETYPE")
-    return "; ".join(libs) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")
 
 
 def blas_ceiling(dtype, repeat, n=2048):

@@ -280,3 +280,84 @@ def test_softmax_rows_match_the_ufunc_passes(name, dtype, rng, monkeypatch):
         assert (got[0, 0] == 0).all()
     else:
         assert (got[0, 0] == -np.inf).all()
+
+
+# --------------------------------------------------------------------------------------------
+# tile shapes from the machine's caches
+
+
+@pytest.mark.parametrize("l2", [256 << 10, 512 << 10, 1 << 20, 1280 << 10, 2 << 20, 32 << 20])
+@pytest.mark.parametrize("itemsize", [4, 8])
+@pytest.mark.parametrize("live", [1, 2])
+def test_score_tile_fills_the_l2_and_no_more(l2, itemsize, live):
+    rows, keys = cpu_runtime.score_tile(l2, itemsize, live)
+    assert rows in (64, 128, 256, 512) and keys in (128, 256, 512, 1024)
+    assert rows * keys * itemsize * live <= l2            # the live tiles stay in L2
+    # and no larger tile of the same family would: rows first (up to 512), then keys
+    if keys < 1024:
+        assert rows * keys * 2 * itemsize * live > l2 or rows == 64
+
+
+def test_score_tile_on_a_1_mib_l2():
+    """The shapes measured on a 1 MiB-L2 core (docs/performance.md)."""
+    assert cpu_runtime.score_tile(1 << 20, 4, 1) == (512, 512)      # forward float32
+    assert cpu_runtime.score_tile(1 << 20, 8, 1) == (512, 256)      # forward float64
+    assert cpu_runtime.score_tile(1 << 20, 4, 2) == (512, 256)      # backward float32
+    assert cpu_runtime.score_tile(1 << 20, 8, 2) == (256, 256)      # backward float64
+
+
+def test_cache_sizes_are_what_linux_reports():
+    caches = cpu_runtime.cache_sizes()
+    assert 0 < caches["L1d"] <= caches["L2"] <= caches["L3"]
+    index2 = "/sys/devices/system/cpu/cpu0/cache/index2"
+    if not os.path.exists(index2):
+        pytest.skip("no cache information in /sys here")
+    with open(os.path.join(index2, "size")) as f:
+        text = f.read().strip()
+    size = int(text[:-1]) * {"K": 1024, "M": 1024 ** 2}[text[-1]] if text[-1] in "KM" else int(text)
+    with open(os.path.join(index2, "level")) as f:
+        assert f.read().strip() == "2"
+    assert caches["L2"] == size
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_engines_take_their_tiles_from_the_l2(dtype, monkeypatch, rng):
+    from cuonline.engines import numpy_backward
+
+    small = {"L1d": 32 << 10, "L2": 256 << 10, "L3": 8 << 20}
+    for module in (numpy_engine, numpy_backward):
+        monkeypatch.setattr(module, "cache_sizes", lambda: dict(small))
+    size = np.dtype(dtype).itemsize
+    assert numpy_engine.blocks(dtype) == cpu_runtime.score_tile(256 << 10, size, 1)
+    assert numpy_backward.blocks(dtype) == cpu_runtime.score_tile(256 << 10, size, 2)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)        # a fixed shape wins
+    assert numpy_engine.blocks(dtype)[1] == 32
+    # the results on this shape are the oracle's (several query blocks and key tiles)
+    q, k, v = (rng.standard_normal((2, 300, 16)).astype(dtype) for _ in range(3))
+    out = cuonline.attention(q, k, v, causal=True)
+    s = np.einsum("bqd,bkd->bqk", q.astype(np.float64), k.astype(np.float64)) / 4
+    s[:, np.triu(np.ones((300, 300), bool), 1)] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bqk,bkd->bqd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_finite_tiles_take_the_plain_product(monkeypatch, rng):
+    """The per-tile path for non-finite values runs only when one got into the output."""
+    calls = []
+    careful = numpy_engine.visible_product
+
+    def counted(a, b, visible):
+        calls.append(a.shape)
+        return careful(a, b, visible)
+
+    monkeypatch.setattr(numpy_engine, "visible_product", counted)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)
+    q, k, v = (rng.standard_normal((1, 100, 8)) for _ in range(3))
+    cuonline.attention(q, k, v, causal=True)
+    assert calls == []
+    v[0, 70] = np.nan                                      # seen by rows 70.. only
+    out = cuonline.attention(q, k, v, causal=True)
+    assert calls                                           # the careful pass ran
+    assert np.isfinite(out[0, :70]).all() and np.isnan(out[0, 70:]).all()
