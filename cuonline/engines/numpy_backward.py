@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients
-from .cpu_runtime import cache_sizes, run_tasks, score_tile, workers
+from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .numpy_scores import ScorePipeline, blas_ready, skewed, visible_product
 
 # The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile with two live
@@ -163,6 +163,10 @@ class _Element:
         with np.errstate(invalid="ignore", over="ignore"):
             # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
             self.delta = np.einsum("ij,ij->i", self.do, blas_ready(bp.out[b], acc))
+        # the right-hand operands of the products, checked once: finite ones take the plain
+        # product (see visible_product)
+        self.qs_finite = bool(np.isfinite(self.qs).all())
+        self.do_finite = bool(np.isfinite(self.do).all())
         lse = np.array(bp.lse[b], dtype=acc)
         self.dead = lse == -np.inf
         # a row that sees no key (lse = -inf) gets P = exp(s - inf) = 0 everywhere, never
@@ -221,6 +225,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
         r0, r1 = _visible_query_range(j0, j1, p)
         k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
+        k_finite = bool(np.isfinite(k_blk).all())
         for i0 in range(r0 // block_q * block_q, r1, block_q):
             if query_block is not None and i0 != query_block:
                 continue
@@ -233,20 +238,26 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
             pipeline = e.pipeline(p, i0, i1)
             seen = _Visibility(pipeline, js, je, kt)
-            prob, ds, ds_content = _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen)
+            prob, ds, ds_content, row_sums = _tile(p, e, pipeline, i0, i1, js, je, kt, vt,
+                                                   seen)
             if q_part:                         # this task owns the rows' dQ: their sums too
-                sums.sums[b][i0:i1] += prob @ sums.ones[:je - js]   # BLAS: 4x np.sum's speed
+                if row_sums is None:
+                    row_sums = prob @ sums.ones[:je - js]          # BLAS: 4x np.sum's speed
+                sums.sums[b][i0:i1] += row_sums
                 if e.dead[i0:i1].any():
                     sums.sees[b][i0:i1] |= seen().any(axis=1)
             if kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
-                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed)
-                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed)
+                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed,
+                                             e.do_finite)
+                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed,
+                                             e.qs_finite)
             if q_part:
                 _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je)
                 _relative_logit_gradients(p, pipeline, buffers, slots, ds_content, i0, js,
                                           seen)
-                dq[i0:i1] += visible_product(ds_content, kt, seen)  # dQ += dS K (scaled later)
+                # dQ += dS K (scaled later)
+                dq[i0:i1] += visible_product(ds_content, kt, seen, k_finite)
 
 
 class _Visibility:
@@ -280,34 +291,45 @@ class _Visibility:
 
 
 def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen):
-    """One tile's ``(P, dS, dS_content)``: the probabilities, the gradient of the logit and the
-    gradient of the content score (they differ only under a soft cap of the content score)."""
+    """One tile's ``(P, dS, dS_content, row_sums)``: the probabilities, the gradient of the
+    logit, the gradient of the content score (they differ only under a soft cap of the content
+    score) and each row's sum of P (None: not computed here)."""
     s, tanh = pipeline.logits(js, je, kt, tanh=True)
-    # P = exp(s - lse): s becomes P
-    with np.errstate(invalid="ignore"):
-        s -= e.lse[i0:i1, None]
-    np.exp(s, out=s)
     with np.errstate(invalid="ignore", over="ignore"):
-        # dS = P * (dP - Delta), dP = dO V^T
-        ds = e.do[i0:i1] @ vt.T
-        ds -= e.delta[i0:i1, None]
-        ds *= s
-        finite = np.isfinite(np.sum(ds))
-    if not finite:
+        ds = e.do[i0:i1] @ vt.T                        # dP = dO V^T
+    kernel = tile_kernel(s.dtype, "backward_tile")
+    row_sums = None if kernel is None else np.empty(i1 - i0, dtype=s.dtype)
+    # P = exp(s - lse) and dS = P * (dP - Delta) in one sweep (status 1: all finite, 2: some
+    # dS not finite), unless a row's max is above its lse or NaN (0: nothing written)
+    status = 0 if kernel is None else kernel(s, e.lse[i0:i1], ds, e.delta[i0:i1], row_sums)
+    done = status == 1
+    if status == 0:
+        row_sums = None
+        # P = exp(s - lse): s becomes P
+        with np.errstate(invalid="ignore"):
+            s -= e.lse[i0:i1, None]
+        np.exp(s, out=s)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # dS = P * (dP - Delta)
+            ds -= e.delta[i0:i1, None]
+            ds *= s
+            done = np.isfinite(np.sum(ds))
+    if not done:
         # NaN or inf in V, dO, O, lse or the scores reaches P or dS at invisible places
         # (0 * NaN, exp(-inf - NaN)): those have no gradient, so NaN stays where it belongs
+        row_sums = None                                # summed after the clearing
         hidden = ~seen()
         np.copyto(ds, 0, where=hidden)
         np.copyto(s, 0, where=hidden)
     if tanh is None:
-        return s, ds, ds
+        return s, ds, ds, row_sums
     # d/dx c tanh(x / c) = 1 - tanh^2
     np.multiply(tanh, tanh, out=tanh)
     np.subtract(1, tanh, out=tanh)
     if p.softcap_bias:
         ds *= tanh                                     # every term sits under the cap
-        return s, ds, ds
-    return s, ds, ds * tanh
+        return s, ds, ds, row_sums
+    return s, ds, ds * tanh, row_sums
 
 
 # --------------------------------------------------------------------------------------------

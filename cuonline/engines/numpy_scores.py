@@ -207,9 +207,11 @@ def soft_cap(s, cap, keep_tanh=False):
     return tanh
 
 
-def visible_product(a, b, visible):
+def visible_product(a, b, visible, b_finite=False):
     """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see
     it: 0 * NaN must not carry NaN into a result that the non-finite number has no path to.
+    ``b_finite=True`` (the caller has checked that every element of ``b`` is finite): the plain
+    product, which is what the general path gives for such a ``b``, without its checks.
 
     ``a``: (n, k) weights (0 where not visible); ``b``: (k, m); ``visible()``: the (n, k)
     boolean of the places that are seen (asked only when the plain product is not finite).
@@ -219,7 +221,7 @@ def visible_product(a, b, visible):
     """
     with np.errstate(invalid="ignore", over="ignore"):
         out = a @ b
-        if np.isfinite(np.sum(out)):
+        if b_finite or np.isfinite(np.sum(out)):
             return out
         bad = np.flatnonzero(~np.isfinite(b).all(axis=1))
     if bad.size == 0:
