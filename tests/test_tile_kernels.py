@@ -361,3 +361,69 @@ def test_finite_tiles_take_the_plain_product(monkeypatch, rng):
     out = cuonline.attention(q, k, v, causal=True)
     assert calls                                           # the careful pass ran
     assert np.isfinite(out[0, :70]).all() and np.isnan(out[0, 70:]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# the backward tile
+
+
+def backward_case(dtype, rng, n=9, k=70):
+    s = (rng.standard_normal((n, k)) * 4).astype(dtype)
+    s[1, :30] = -np.inf                                  # masked keys
+    lse = (np.log(np.exp(s.astype(np.float64)).sum(1)) + 0.25).astype(dtype)   # >= row max
+    lse[2] = np.inf                                      # a row that sees nothing
+    dp = rng.standard_normal((n, k)).astype(dtype)
+    delta = rng.standard_normal(n).astype(dtype)
+    return s, lse, dp, delta
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_matches_the_ufunc_passes(dtype, rng):
+    s, lse, dp, delta = backward_case(dtype, rng)
+    p, ds, sums = s.copy(), dp.copy(), np.empty(len(s), dtype)
+    assert tk.backward_tile(p, lse, ds, delta, sums) == 1
+    want_p = np.exp(s - lse[:, None])
+    want_ds = want_p * (dp - delta[:, None])
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(p, want_p, rtol=4 * eps, atol=0)
+    np.testing.assert_allclose(ds, want_ds, rtol=8 * eps, atol=np.finfo(dtype).tiny)
+    np.testing.assert_allclose(sums, want_p.sum(1), rtol=8 * eps)
+    assert (p[1, :30] == 0).all() and (p[2] == 0).all() and (ds[2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_leaves_rows_above_their_lse_to_the_caller(dtype, rng):
+    """exp of a positive argument is outside the kernel's exponential: nothing is written."""
+    s, lse, dp, delta = backward_case(dtype, rng)
+    for bad in (s.max(1)[4] - 1, np.nan):
+        lse_bad = lse.copy()
+        lse_bad[4] = bad
+        p, ds = s.copy(), dp.copy()
+        assert tk.backward_tile(p, lse_bad, ds, delta, np.empty(len(s), dtype)) == 0
+        np.testing.assert_array_equal(p, s)
+        np.testing.assert_array_equal(ds, dp)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_reports_a_non_finite_gradient(dtype, rng):
+    s, lse, dp, delta = backward_case(dtype, rng)
+    dp[1, 3] = np.nan                                      # behind the mask: 0 * NaN
+    assert tk.backward_tile(s.copy(), lse, dp.copy(), delta, np.empty(len(s), dtype)) == 2
+    dp[1, 3] = 0
+    dp[5, 7] = np.inf
+    assert tk.backward_tile(s.copy(), lse, dp.copy(), delta, np.empty(len(s), dtype)) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"softcap": 2.0}],
+                         ids=["plain", "causal", "softcap"])
+def test_backward_with_and_without_the_kernel_agree(dtype, options, rng, monkeypatch):
+    q, k, v = (rng.standard_normal((2, 300, 16)).astype(dtype) for _ in range(3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    monkeypatch.setattr(cpu_runtime, "use_compiled_kernels", False)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    tol = 200 * np.finfo(dtype).eps
+    for g, w in zip((got.dq, got.dk, got.dv), (want.dq, want.dk, want.dv)):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
