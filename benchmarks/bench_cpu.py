@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu.py                      # the 16-case table of issue 11
     python benchmarks/bench_cpu.py --lengths 16384 --dims 64 --dtypes float32
     python benchmarks/bench_cpu.py --quick              # a tiny smoke run (CI)
+    python benchmarks/bench_cpu.py --one-core           # per-core efficiency on a busy machine
 
 For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays:
 
@@ -95,19 +96,43 @@ def print_machine(title, ceilings, with_torch):
           + "; tiles (rows x keys): " + ", ".join(
               f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
               f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
-    print("BLAS ceiling (2048^3 matmul, all cores): "
+    print(f"BLAS ceiling (2048^3 matmul, {'one core' if CLOCK is time.process_time else 'all cores'}): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
 
 
+# what best_seconds reads: wall time, or with --one-core this process's CPU time
+CLOCK = time.perf_counter
+_one_core_limits = None
+
+
+def use_one_core():
+    """--one-core: every engine on one thread (cuonline ``workers=1``, BLAS and torch held to
+    one thread) and times read as this process's CPU time, which other processes' load
+    inflates far less than wall time: the per-core efficiency, comparable on a busy machine.
+    Returns the ``workers`` to pass to cuonline."""
+    global CLOCK, _one_core_limits
+    from threadpoolctl import threadpool_limits
+
+    _one_core_limits = threadpool_limits(limits=1)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    CLOCK = time.process_time
+    return 1
+
+
 def best_seconds(fn, repeat):
-    """Best wall time of ``repeat`` runs after one warm-up."""
+    """Best time (wall, or CPU with --one-core) of ``repeat`` runs after one warm-up."""
     fn()
     best = float("inf")
     for _ in range(repeat):
         gc.collect()
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK() - start)
     return best
 
 
@@ -134,9 +159,12 @@ def main(argv=None):
                         help="also: the softmax family beside scipy.special")
     parser.add_argument("--plot", metavar="SVG",
                         help="also: GFLOP/s against N (D 64, float32) for each engine, as SVG")
+    parser.add_argument("--one-core", action="store_true",
+                        help="everything on one thread, timed as CPU time (see use_one_core)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one repeat: checks that the script runs")
     args = parser.parse_args(argv)
+    workers = use_one_core() if args.one_core else None
     if args.quick:
         args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
         args.memory_length = 1024
@@ -148,7 +176,8 @@ def main(argv=None):
     torch_run, torch_path = torch_sdpa()
     causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print_machine(f"B=1 H={args.heads}", ceilings, torch_run is not None)
+    print_machine(f"B=1 H={args.heads}" + (", one core, CPU time" if args.one_core else ""),
+                  ceilings, torch_run is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "
               f"| naive | cuonline/torch | cuonline/BLAS |")
     print(header)
@@ -160,8 +189,8 @@ def main(argv=None):
                                               causal_cases):
         q, k, v = (rng.standard_normal((1, args.heads, n, d)).astype(dt) for _ in range(3))
         gflop = 4 * args.heads * n * n * d / (2 if causal else 1) / 1e9
-        ours = gflop / best_seconds(lambda: cuonline.attention(q, k, v, causal=causal),
-                                    args.repeat)
+        ours = gflop / best_seconds(
+            lambda: cuonline.attention(q, k, v, causal=causal, workers=workers), args.repeat)
         theirs, path = float("nan"), "-"
         if torch_run is not None:
             path = torch_path(q, k, v, causal)
