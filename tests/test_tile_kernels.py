@@ -427,3 +427,34 @@ def test_backward_with_and_without_the_kernel_agree(dtype, options, rng, monkeyp
     tol = 200 * np.finfo(dtype).eps
     for g, w in zip((got.dq, got.dk, got.dv), (want.dq, want.dk, want.dv)):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)},
+                                     {"causal": True, "q_offset": 50}],
+                         ids=["causal", "window", "offset"])
+def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
+    """Tiles the window band crosses multiply each group of rows by the keys it may see
+    only; the result is the whole-tile products' (up to the order of P·V's sums)."""
+    from cuonline.engines.numpy_scores import ScorePipeline
+
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 64)
+    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 16)
+    spans = []
+    real = ScorePipeline.row_spans
+
+    def recorded(self, *args):
+        out = real(self, *args)
+        spans.append(out)
+        return out
+
+    monkeypatch.setattr(ScorePipeline, "row_spans", recorded)
+    q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
+    got = cuonline.attention(q, k, v, **options)
+    used = [s for s in spans if s is not None]
+    assert used                                           # some tile took the spans
+    assert all(c0 <= c1 for s in used for _, _, c0, c1 in s)
+    assert any(c1 - c0 < 64 for s in used for _, _, c0, c1 in s)
+    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 10**9)  # one product per tile
+    np.testing.assert_allclose(got, cuonline.attention(q, k, v, **options), rtol=1e-13,
+                               atol=1e-13)

@@ -82,15 +82,17 @@ class ScorePipeline:
     # ----------------------------------------------------------------------------------------
     # the logits
 
-    def logits(self, js, je, keys=None, *, window=True, tanh=False):
+    def logits(self, js, je, keys=None, *, window=True, tanh=False, spans=None):
         """The ``(n, je - js)`` logits of keys ``[js, je)``, -inf where a row may not see a key.
 
         ``keys``: the BLAS-ready key tile when the caller has it (else read from ``p.k``).
         ``window=False`` leaves out the window band's -inf (the compiled kernel takes it from
         :meth:`window_columns`). ``tanh=True`` returns ``(s, t)`` with ``t`` the tanh of the
-        soft cap, for its derivative ``1 - t**2`` (None without a soft cap).
+        soft cap, for its derivative ``1 - t**2`` (None without a soft cap). ``spans``: the
+        ``(r0, r1, c0, c1)`` of :meth:`row_spans`; the content product then covers only those
+        columns of each group of rows (0 elsewhere: places the window band hides).
         """
-        s = self._content(js, je, keys)
+        s = self._content(js, je, keys, spans)
         self.add_relative_logits(s, js, je)         # + rel_q . rel_k[delta]
         t = None
         if self.cap is not None and not self.cap_whole_logit:
@@ -126,14 +128,40 @@ class ScorePipeline:
               else self.diag + self.right + 1 - js)
         return lo, hi
 
-    def _content(self, js, je, keys):
-        """``scale * q . k`` of the tile: (n, je - js)."""
+    def row_spans(self, js, width, w, rows):
+        """``[(r0, r1, c0, c1), ...]``: for each group of ``rows`` query rows, the columns
+        ``[c0, c1)`` of a tile of ``w`` keys from ``js`` (of a tile width ``width``) that the
+        window band lets any of them see; None when these spans cover more than 3/4 of the
+        tile (one product over the whole tile is then as cheap)."""
+        if self.n < 2 * rows or (self.left is None and self.right is None):
+            return None
+        lo, hi = self.window_columns(js, width)
+        lo, hi = np.clip(lo, 0, w), np.clip(hi, 0, w)
+        spans, area = [], 0
+        for r0 in range(0, self.n, rows):
+            r1 = min(r0 + rows, self.n)
+            c0, c1 = int(lo[r0:r1].min()), int(hi[r0:r1].max())
+            c1 = max(c0, c1)
+            spans.append((r0, r1, c0, c1))
+            area += (r1 - r0) * (c1 - c0)
+        return spans if 4 * area <= 3 * self.n * w else None
+
+    def _content(self, js, je, keys, spans=None):
+        """``scale * q . k`` of the tile: (n, je - js) (only the ``spans``, 0 elsewhere)."""
         if keys is not None:
             return self.queries @ keys.T
         k = self._keys[js:je]
         if self.queries is None or _copy_is_large(k, self.acc):
             return _sliced_product(self._query_view, k, self.acc, self.scale)
-        return self.queries @ blas_ready(k, self.acc).T
+        k = blas_ready(k, self.acc)
+        if spans is None:
+            return self.queries @ k.T
+        s = np.empty((self.n, je - js), dtype=self.acc)
+        for r0, r1, c0, c1 in spans:
+            s[r0:r1, :c0] = 0
+            s[r0:r1, c1:] = 0
+            np.matmul(self.queries[r0:r1], k[c0:c1].T, out=s[r0:r1, c0:c1])
+        return s
 
     # ----------------------------------------------------------------------------------------
     # the terms
