@@ -458,3 +458,44 @@ def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
     monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 10**9)  # one product per tile
     np.testing.assert_allclose(got, cuonline.attention(q, k, v, **options), rtol=1e-13,
                                atol=1e-13)
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)}],
+                         ids=["causal", "window"])
+def test_backward_products_over_the_visible_columns_only(options, rng, monkeypatch):
+    """The backward's five products over the spans of a crossed tile: the whole-tile
+    products' gradients (up to the order of sums), and the same bits for every workers and
+    every plan (one task per group, or key-block and query-block tasks)."""
+    from cuonline.engines import numpy_backward
+    from cuonline.engines.numpy_scores import ScorePipeline
+
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_backward, "BLOCK_K", 64)
+    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
+    used = []
+    real = ScorePipeline.row_spans
+
+    def recorded(self, *args):
+        out = real(self, *args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ScorePipeline, "row_spans", recorded)
+    q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    runs = {}
+    for cores, workers in ((1, 1), (1, 2), (64, 2)):
+        monkeypatch.setattr(numpy_backward, "workers", lambda cores=cores: cores)
+        runs[cores, workers] = cuonline.attention_backward(dout, q, k, v, out, lse,
+                                                           workers=workers, **options)
+    assert any(used)
+    first = runs[1, 1]
+    for other in runs.values():
+        for name in ("dq", "dk", "dv"):
+            assert getattr(first, name).tobytes() == getattr(other, name).tobytes(), name
+    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 10**9)
+    whole = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(first, name), getattr(whole, name), rtol=1e-12,
+                                   atol=1e-12)

@@ -33,13 +33,18 @@ import numpy as np
 from .. import _lse_check, _semantics
 from .._gradients import Gradients
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
-from .numpy_scores import ScorePipeline, blas_ready, skewed, visible_product
+from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
+                           visible_product)
 
 # The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile with two live
 # tiles, P and dS: 512 x 256 float32 or 256 x 256 float64 on a 1 MiB L2) so that both stay in
 # L2 while the five matrix products stream through them; an int fixes it (tests set both).
 BLOCK_Q = None
 BLOCK_K = None
+
+
+# Rows per group of a tile the window band crosses (as the forward's SPAN_ROWS).
+SPAN_ROWS = 128
 
 
 def blocks(dtype):
@@ -238,15 +243,24 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
             pipeline = e.pipeline(p, i0, i1)
             seen = _Visibility(pipeline, js, je, kt)
+            # a tile the window band crosses (causal: the diagonal), with finite operands:
+            # every product over the columns each group of rows may see
+            spans = None
+            if e.do_finite and e.qs_finite and k_finite:
+                spans = pipeline.row_spans(js, je - js, je - js, SPAN_ROWS)
             prob, ds, ds_content, row_sums = _tile(p, e, pipeline, i0, i1, js, je, kt, vt,
-                                                   seen)
+                                                   seen, spans)
             if q_part:                         # this task owns the rows' dQ: their sums too
                 if row_sums is None:
                     row_sums = prob @ sums.ones[:je - js]          # BLAS: 4x np.sum's speed
                 sums.sums[b][i0:i1] += row_sums
                 if e.dead[i0:i1].any():
                     sums.sees[b][i0:i1] |= seen().any(axis=1)
-            if kv_part:
+            if kv_part and spans is not None:
+                for r0, r1, c0, c1 in spans:
+                    dv[js + c0:js + c1] += prob[r0:r1, c0:c1].T @ e.do[i0 + r0:i0 + r1]
+                    dk[js + c0:js + c1] += ds_content[r0:r1, c0:c1].T @ e.qs[i0 + r0:i0 + r1]
+            elif kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
                 dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed,
                                              e.do_finite)
@@ -257,7 +271,11 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
                 _relative_logit_gradients(p, pipeline, buffers, slots, ds_content, i0, js,
                                           seen)
                 # dQ += dS K (scaled later)
-                dq[i0:i1] += visible_product(ds_content, kt, seen, k_finite)
+                if spans is None:
+                    dq[i0:i1] += visible_product(ds_content, kt, seen, k_finite)
+                else:
+                    for r0, r1, c0, c1 in spans:
+                        dq[i0 + r0:i0 + r1] += ds_content[r0:r1, c0:c1] @ kt[c0:c1]
 
 
 class _Visibility:
@@ -290,13 +308,14 @@ class _Visibility:
         return self.band().T
 
 
-def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen):
+def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen, spans=None):
     """One tile's ``(P, dS, dS_content, row_sums)``: the probabilities, the gradient of the
     logit, the gradient of the content score (they differ only under a soft cap of the content
-    score) and each row's sum of P (None: not computed here)."""
-    s, tanh = pipeline.logits(js, je, kt, tanh=True)
+    score) and each row's sum of P (None: not computed here). ``spans``: the products over
+    those columns of each group of rows only (see ScorePipeline.row_spans)."""
+    s, tanh = pipeline.logits(js, je, kt, tanh=True, spans=spans)
     with np.errstate(invalid="ignore", over="ignore"):
-        ds = e.do[i0:i1] @ vt.T                        # dP = dO V^T
+        ds = spanned_product(e.do[i0:i1], vt, spans)   # dP = dO V^T
     kernel = tile_kernel(s.dtype, "backward_tile")
     row_sums = None if kernel is None else np.empty(i1 - i0, dtype=s.dtype)
     # P = exp(s - lse) and dS = P * (dP - Delta) in one sweep (status 1: all finite, 2: some

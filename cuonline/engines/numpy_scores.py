@@ -19,6 +19,7 @@ of a tile's distances (:meth:`ScorePipeline.band_index`) and the visibility of a
 
 Beside it, the tile helpers both passes share: :func:`blas_ready` (a layout BLAS takes),
 :func:`visible_product` (a product where NaN or inf reaches only the rows that see it),
+:func:`spanned_product` (a product over the columns each group of rows may see),
 :func:`soft_cap` and :func:`skewed` (the Toeplitz view of a band).
 """
 
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ScorePipeline", "blas_ready", "visible_product", "soft_cap", "skewed",
-           "REL_ROWS", "SLICE_BYTES"]
+__all__ = ["ScorePipeline", "blas_ready", "visible_product", "spanned_product", "soft_cap",
+           "skewed", "REL_ROWS", "SLICE_BYTES"]
 
 # Query rows per product of the relative logits (see ScorePipeline.add_relative_logits).
 REL_ROWS = 64
@@ -149,19 +150,11 @@ class ScorePipeline:
     def _content(self, js, je, keys, spans=None):
         """``scale * q . k`` of the tile: (n, je - js) (only the ``spans``, 0 elsewhere)."""
         if keys is not None:
-            return self.queries @ keys.T
+            return spanned_product(self.queries, keys, spans)
         k = self._keys[js:je]
         if self.queries is None or _copy_is_large(k, self.acc):
             return _sliced_product(self._query_view, k, self.acc, self.scale)
-        k = blas_ready(k, self.acc)
-        if spans is None:
-            return self.queries @ k.T
-        s = np.empty((self.n, je - js), dtype=self.acc)
-        for r0, r1, c0, c1 in spans:
-            s[r0:r1, :c0] = 0
-            s[r0:r1, c1:] = 0
-            np.matmul(self.queries[r0:r1], k[c0:c1].T, out=s[r0:r1, c0:c1])
-        return s
+        return spanned_product(self.queries, blas_ready(k, self.acc), spans)
 
     # ----------------------------------------------------------------------------------------
     # the terms
@@ -215,6 +208,20 @@ class ScorePipeline:
         if self.rel_bias is not None:
             band = np.ascontiguousarray(self.rel_bias[self.band_index(js, je, self.rb)])
             s += skewed(band, self.n, -1, je - js)
+
+
+def spanned_product(a, b, spans=None):
+    """``a @ b.T`` of an (n, d) ``a`` and a (w, d) ``b``: all of it (``spans`` None), or only
+    the columns ``[c0, c1)`` of the rows ``[r0, r1)`` of each span of
+    :meth:`ScorePipeline.row_spans`, 0 elsewhere."""
+    if spans is None:
+        return a @ b.T
+    out = np.empty((a.shape[0], b.shape[0]), dtype=np.result_type(a, b))
+    for r0, r1, c0, c1 in spans:
+        out[r0:r1, :c0] = 0
+        out[r0:r1, c1:] = 0
+        np.matmul(a[r0:r1], b[c0:c1].T, out=out[r0:r1, c0:c1])
+    return out
 
 
 def skewed(flat, rows, row_step, w, writeable=False):
