@@ -18,8 +18,8 @@ Throughput counts 4 * Lq * Lk * D FLOPs per head, halved when causal. The BLAS c
 2048 x 2048 matrix product per dtype, all cores) is measured in the same run and each engine's
 fraction of it printed. The preamble names the machine: CPU, load, the instruction sets numba
 and BLAS use (an ``OPENBLAS_CORETYPE`` that holds OpenBLAS to older kernels shows there), the
-caches and the tile shapes the engine takes from them. The summary gives the geometric mean and the worst of cuonline / torch.
-Finally cuonline alone at --memory-length reports its peak traced allocation beside the output
+caches and the tile shapes the engine takes from them. The summary gives the geometric mean
+and the worst of cuonline / torch. Finally cuonline alone at --memory-length reports its peak traced allocation beside the output
 size. Figures move with whatever else the machine does: compare ratios of one run.
 """
 
@@ -96,7 +96,8 @@ def print_machine(title, ceilings, with_torch):
           + "; tiles (rows x keys): " + ", ".join(
               f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
               f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
-    print(f"BLAS ceiling (2048^3 matmul, {'one core' if CLOCK is time.process_time else 'all cores'}): "
+    cores = "one core" if CLOCK is time.process_time else "all cores"
+    print(f"BLAS ceiling (2048^3 matmul, {cores}): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
 
 

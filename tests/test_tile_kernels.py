@@ -314,7 +314,8 @@ def test_cache_sizes_are_what_linux_reports():
         pytest.skip("no cache information in /sys here")
     with open(os.path.join(index2, "size")) as f:
         text = f.read().strip()
-    size = int(text[:-1]) * {"K": 1024, "M": 1024 ** 2}[text[-1]] if text[-1] in "KM" else int(text)
+    units = {"K": 1024, "M": 1024 ** 2}
+    size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
     with open(os.path.join(index2, "level")) as f:
         assert f.read().strip() == "2"
     assert caches["L2"] == size
@@ -429,17 +430,14 @@ def test_backward_with_and_without_the_kernel_agree(dtype, options, rng, monkeyp
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
 
 
-@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)},
-                                     {"causal": True, "q_offset": 50}],
-                         ids=["causal", "window", "offset"])
-def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
-    """Tiles the window band crosses multiply each group of rows by the keys it may see
-    only; the result is the whole-tile products' (up to the order of P·V's sums)."""
+def spans_of_crossed_tiles(engine, monkeypatch):
+    """64 x 64 tiles and groups of 16 rows in ``engine``; returns the list that receives what
+    every ``ScorePipeline.row_spans`` call returns."""
     from cuonline.engines.numpy_scores import ScorePipeline
 
-    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
-    monkeypatch.setattr(numpy_engine, "BLOCK_K", 64)
-    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 16)
+    monkeypatch.setattr(engine, "BLOCK_Q", 64)
+    monkeypatch.setattr(engine, "BLOCK_K", 64)
+    monkeypatch.setattr(engine, "SPAN_ROWS", 16)
     spans = []
     real = ScorePipeline.row_spans
 
@@ -449,6 +447,16 @@ def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
         return out
 
     monkeypatch.setattr(ScorePipeline, "row_spans", recorded)
+    return spans
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)},
+                                     {"causal": True, "q_offset": 50}],
+                         ids=["causal", "window", "offset"])
+def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
+    """Tiles the window band crosses multiply each group of rows by the keys it may see
+    only; the result is the whole-tile products' (up to the order of P·V's sums)."""
+    spans = spans_of_crossed_tiles(numpy_engine, monkeypatch)
     q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
     got = cuonline.attention(q, k, v, **options)
     used = [s for s in spans if s is not None]
@@ -467,20 +475,8 @@ def test_backward_products_over_the_visible_columns_only(options, rng, monkeypat
     products' gradients (up to the order of sums), and the same bits for every workers and
     every plan (one task per group, or key-block and query-block tasks)."""
     from cuonline.engines import numpy_backward
-    from cuonline.engines.numpy_scores import ScorePipeline
 
-    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
-    monkeypatch.setattr(numpy_backward, "BLOCK_K", 64)
-    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
-    used = []
-    real = ScorePipeline.row_spans
-
-    def recorded(self, *args):
-        out = real(self, *args)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(ScorePipeline, "row_spans", recorded)
+    spans = spans_of_crossed_tiles(numpy_backward, monkeypatch)
     q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
     out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
     dout = rng.standard_normal(out.shape)
@@ -489,7 +485,7 @@ def test_backward_products_over_the_visible_columns_only(options, rng, monkeypat
         monkeypatch.setattr(numpy_backward, "workers", lambda cores=cores: cores)
         runs[cores, workers] = cuonline.attention_backward(dout, q, k, v, out, lse,
                                                            workers=workers, **options)
-    assert any(used)
+    assert any(s is not None for s in spans)
     first = runs[1, 1]
     for other in runs.values():
         for name in ("dq", "dk", "dv"):
