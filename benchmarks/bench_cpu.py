@@ -20,7 +20,8 @@ fraction of it printed. The preamble names the machine: CPU, load, the instructi
 and BLAS use (an ``OPENBLAS_CORETYPE`` that holds OpenBLAS to older kernels shows there), the
 caches and the tile shapes the engine takes from them. The summary gives the geometric mean
 and the worst of cuonline / torch. Finally cuonline alone at --memory-length reports its peak
-traced allocation beside the output size. Figures move with whatever else the machine does: compare ratios of one run.
+traced allocation beside the output size. Figures move with whatever else the machine does:
+compare ratios of one run.
 """
 
 from __future__ import annotations
