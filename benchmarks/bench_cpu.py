@@ -90,16 +90,16 @@ def print_machine(title, ceilings, with_torch):
         torch = f"torch {t.__version__} ({t.backends.cpu.get_cpu_capability()})"
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{title}; CPU {info['cpu']}, {info['cores']} cores; load average {load}")
-    print(f"numpy {np.__version__}; {torch}; numba target {info['numba']}")
     print("BLAS: " + info["blas"])
+    cores = "one core" if CLOCK is time.process_time else "all cores"
+    print(f"BLAS ceiling (2048^3 matmul, {cores}): "
+          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    print(f"numpy {np.__version__}; {torch}; numba target {info['numba']}")
     caches = info["caches"]
     print("caches per core: " + ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items())
           + "; tiles (rows x keys): " + ", ".join(
               f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
               f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
-    cores = "one core" if CLOCK is time.process_time else "all cores"
-    print(f"BLAS ceiling (2048^3 matmul, {cores}): "
-          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
 
 
 # what best_seconds reads: wall time, or with --one-core this process's CPU time

@@ -495,3 +495,31 @@ def test_backward_products_over_the_visible_columns_only(options, rng, monkeypat
     for name in ("dq", "dk", "dv"):
         np.testing.assert_allclose(getattr(first, name), getattr(whole, name), rtol=1e-12,
                                    atol=1e-12)
+
+
+def test_machine_names_what_a_figure_depends_on():
+    import llvmlite.binding as llvm
+    from threadpoolctl import threadpool_info
+
+    info = cpu_runtime.machine()
+    assert info["cpu"] and info["cores"] == cpu_runtime.workers()
+    assert info["numba"].startswith(llvm.get_host_cpu_name())
+    assert info["caches"] == cpu_runtime.cache_sizes()
+    for lib in threadpool_info():
+        if lib["user_api"] == "blas":
+            assert f"({lib.get('architecture', '?')} kernels" in info["blas"]
+
+
+def test_benchmark_preamble_prints_the_machine(monkeypatch, capsys):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import bench_cpu
+
+    bench_cpu.print_machine("test", {"float32": 1.0, "float64": 2.0}, with_torch=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert "CPU " in lines[0] and "load average" in lines[0]
+    assert lines[1].startswith("BLAS: ") and lines[2].startswith("BLAS ceiling")
+    assert "numba target" in lines[3]
+    rows, keys = numpy_engine.blocks(np.float32)
+    assert lines[4].startswith("caches per core: L1d")
+    assert f"float32 forward {rows}x{keys}" in lines[4]
