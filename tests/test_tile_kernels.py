@@ -321,6 +321,15 @@ def test_cache_sizes_are_what_linux_reports():
     assert caches["L2"] == size
 
 
+def test_block_constants_are_the_float32_tiles():
+    """Other engines (the statistics) read BLOCK_Q and BLOCK_K as ints."""
+    from cuonline.engines import numpy_backward
+
+    for module in (numpy_engine, numpy_backward):
+        assert isinstance(module.BLOCK_Q, int) and isinstance(module.BLOCK_K, int)
+        assert module.blocks(np.float32) == (module.BLOCK_Q, module.BLOCK_K)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_engines_take_their_tiles_from_the_l2(dtype, monkeypatch, rng):
     from cuonline.engines import numpy_backward

@@ -30,10 +30,11 @@ from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, worker
 from .merge import merge_states
 from .numpy_scores import ScorePipeline, blas_ready, visible_product
 
-# The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile, one live score
-# tile: 512 x 512 float32 or 512 x 256 float64 on a 1 MiB L2); an int fixes it (tests set both).
-BLOCK_Q = None
-BLOCK_K = None
+# The float32 tile shape from this machine's L2 (cpu_runtime.score_tile, one live score tile:
+# 512 x 512 on a 1 MiB L2); other dtypes take theirs from blocks() (512 x 256 float64). Set to
+# other values, BLOCK_Q and BLOCK_K fix the shape for every dtype (tests do).
+BLOCK_Q, BLOCK_K = score_tile(cache_sizes()["L2"], 4, live_tiles=1)
+_MACHINE_TILE = (BLOCK_Q, BLOCK_K)
 # A block of few query rows walks its keys in wider tiles (up to rows x keys of the tile shape
 # scores, at most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of
 # work against tens of microseconds of per-tile Python.
@@ -47,7 +48,8 @@ SPAN_ROWS = 128
 def blocks(dtype):
     """``(BLOCK_Q, BLOCK_K)``: query rows per task and keys per tile for scores of ``dtype``."""
     rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=1)
-    return BLOCK_Q or rows, BLOCK_K or keys
+    return (rows if BLOCK_Q == _MACHINE_TILE[0] else BLOCK_Q,
+            keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
 
 
 def _key_tile(rows, block_q, block_k):

@@ -36,11 +36,12 @@ from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, worker
 from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
                            visible_product)
 
-# The tile shape: None takes it from this machine's L2 (cpu_runtime.score_tile with two live
-# tiles, P and dS: 512 x 256 float32 or 256 x 256 float64 on a 1 MiB L2) so that both stay in
-# L2 while the five matrix products stream through them; an int fixes it (tests set both).
-BLOCK_Q = None
-BLOCK_K = None
+# The float32 tile shape from this machine's L2 (cpu_runtime.score_tile with two live tiles, P
+# and dS, so that both stay in L2 while the five matrix products stream through them: 512 x 256
+# on a 1 MiB L2); other dtypes take theirs from blocks() (256 x 256 float64). Set to other
+# values, BLOCK_Q and BLOCK_K fix the shape for every dtype (tests do).
+BLOCK_Q, BLOCK_K = score_tile(cache_sizes()["L2"], 4, live_tiles=2)
+_MACHINE_TILE = (BLOCK_Q, BLOCK_K)
 
 
 # Rows per group of a tile the window band crosses (as the forward's SPAN_ROWS).
@@ -50,7 +51,8 @@ SPAN_ROWS = 128
 def blocks(dtype):
     """``(BLOCK_Q, BLOCK_K)``: query rows and keys per tile for gradients of ``dtype``."""
     rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=2)
-    return BLOCK_Q or rows, BLOCK_K or keys
+    return (rows if BLOCK_Q == _MACHINE_TILE[0] else BLOCK_Q,
+            keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
 
 
 def attention_backward(bp):
