@@ -22,6 +22,8 @@ __all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp"
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
+#: packed variable-length batches (cu_seqlens): validation admits them on the NumPy engine only
+_VARLEN_ENGINE = "numpy_varlen"
 #: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
 Array = Any
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,6 +65,7 @@ def attention(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Any:   # out, or (out, lse) with return_lse
@@ -237,9 +240,17 @@ def attention(
         return _dask.attention(attention, **locals())
     options = _options.from_call(locals())
     problem = _validate.validate_attention(q, k, v, options, return_lse=return_lse)
-    engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
+    engine = importlib.import_module(f"cuonline.engines.{_engine(_ENGINES, problem)}")
     out, lse = engine.attention(problem)
     return (out, lse) if return_lse else out
+
+
+def _engine(engines: dict, problem: Any) -> str:
+    """The module under cuonline.engines that runs ``problem``, from ``engines`` (backend ->
+    module) or, for a packed variable-length batch, the varlen driver (which does both)."""
+    if problem.cu_seqlens_q is not None:
+        return _VARLEN_ENGINE
+    return engines[problem.backend]
 
 
 def _documents_score_options(function: F) -> F:
@@ -271,6 +282,7 @@ def attention_backward(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Gradients:
@@ -372,7 +384,8 @@ def attention_backward(
         return _dask.attention_backward(attention_backward, **locals())
     options = _options.from_call(locals())
     bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, options)
-    engine = importlib.import_module(f"cuonline.engines.{_BACKWARD_ENGINES[bp.forward.backend]}")
+    engine = importlib.import_module(
+        f"cuonline.engines.{_engine(_BACKWARD_ENGINES, bp.forward)}")
     return engine.attention_backward(bp)
 
 
@@ -385,6 +398,7 @@ def attention_vjp(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> tuple[Array, Callable[[Array | float], Gradients]]:
@@ -443,6 +457,7 @@ def attention_stats(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     entropy: bool = True, received: bool = False, query_weights: Array | None = None,
     top_k: int = 0, rows: Array | None = None,
     backend: str = "auto", workers: int | None = None,
