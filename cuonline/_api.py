@@ -39,8 +39,11 @@ def _adapts(*names: str) -> Callable[[F], F]:
     the results go back in the caller's library. NumPy, CuPy and Dask calls pass through."""
     def decorate(function: F) -> F:
         signature = inspect.signature(function)
+        # cu_seqlens are host integers read by the planner, of any library (NumPy with
+        # torch inputs included): validation brings them in, not the inputs' adapter
         array_names = names + tuple(n for n in _options.array_options()
-                                    if n in signature.parameters)
+                                    if n in signature.parameters
+                                    and n not in _validate.CU_SEQLENS)
 
         @functools.wraps(function)
         def adapted(*args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,7 @@ from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
     "BACKENDS", "Problem", "SoftmaxProblem", "StatsProblem", "array_namespace", "check_backend",
+    "check_cu_seqlens", "CU_SEQLENS",
     "validate_attention", "validate_attention_stats", "validate_axis_input", "validate_merge",
 ]
 
@@ -425,7 +426,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     its keywords (tools and tests: ``validate_attention(q, k, v, causal=True)``), not both.
     """
     o = _options_of(options, keywords)
-    arrays = {n: x for n, x in o.arrays().items() if n not in _CU_SEQLENS}
+    arrays = {n: x for n, x in o.arrays().items() if n not in CU_SEQLENS}
     xp = array_namespace(q=q, k=k, v=v, **arrays)
     backend = check_backend(o.backend, xp)
     varlen = _check_varlen_options(o, backend)
@@ -491,8 +492,8 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     window = _semantics.effective_window(causal, _check_window(o.window, lq, lk, diagonal))
     cu_q = cu_k = diagonals = None
     if varlen:
-        cu_q = _check_cu_seqlens(o.cu_seqlens_q, "cu_seqlens_q", lq, "q.shape[-2]")
-        cu_k = _check_cu_seqlens(o.cu_seqlens_k, "cu_seqlens_k", lk, "k.shape[-2]")
+        cu_q = check_cu_seqlens(o.cu_seqlens_q, "cu_seqlens_q", lq, "q.shape[-2]")
+        cu_k = check_cu_seqlens(o.cu_seqlens_k, "cu_seqlens_k", lk, "k.shape[-2]")
         if cu_q.shape != cu_k.shape:
             raise ValueError(
                 f"`cu_seqlens_q` and `cu_seqlens_k` must have the same length B + 1 (one "
@@ -571,7 +572,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
 # --------------------------------------------------------------------------------------------
 # packed variable-length batches (issue 20)
 
-_CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
+CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 #: Options whose shapes span the padded (Lq, Lk) plane or the batch: no meaning across packed
 #: sequences.
 _NOT_WITH_VARLEN = ("bias", "mask", "bias_block", "kv_lengths")
@@ -581,7 +582,7 @@ def _check_varlen_options(o: Options, backend: str) -> bool:
     """Whether the call is a packed variable-length batch: ``cu_seqlens_q`` and
     ``cu_seqlens_k`` given together, without the options that have no meaning across
     sequences, on an engine that runs it."""
-    given = [n for n in _CU_SEQLENS if getattr(o, n) is not None]
+    given = [n for n in CU_SEQLENS if getattr(o, n) is not None]
     if not given:
         return False
     if len(given) == 1:
@@ -611,13 +612,18 @@ def _describe(value) -> str:
     return f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
 
 
-def _check_cu_seqlens(value, name, total, total_name):
+def check_cu_seqlens(value, name, total, total_name):
     """``cu_seqlens_*``: a 1-D integer array of B + 1 boundaries, 0 first, non-decreasing,
-    ``total`` last. Returned as int64 NumPy (the engines plan on the host)."""
-    if _arrays.library(value) not in (None, "numpy"):
-        raise TypeError(f"`{name}` must be a NumPy array, a list of ints or an array of the "
-                        f"inputs' library, got {type(value).__module__}."
-                        f"{type(value).__name__}")
+    ``total`` last, of any array library (its B + 1 integers are read on the host: the
+    engines plan there). Returned as int64 NumPy."""
+    lib = _arrays.library(value)
+    if lib == "dask":
+        raise TypeError(f"`{name}` must be a computed array (NumPy, a list of ints, ...), got "
+                        f"a Dask array; call .compute() on it first")
+    if lib not in (None, "numpy"):
+        value = _arrays.adapt({name: value})[0][name]    # torch, JAX, ...: NumPy or CuPy
+        if _arrays.library(value) == "cupy":
+            value = value.get()
     try:
         arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
@@ -935,7 +941,7 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
     to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
     integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
     """
-    given = [n for n in _CU_SEQLENS if getattr(options, n) is not None]
+    given = [n for n in CU_SEQLENS if getattr(options, n) is not None]
     if given:
         raise ValueError(
             f"attention_stats does not yet take packed batches (got {', '.join(given)}): "
