@@ -14,7 +14,7 @@ import numpy as np
 from . import _arrays
 from ._validate import check_cu_seqlens
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "refuse_in_binding", "unpack"]
 
 
 def _axis(axis: Any, ndim: int, what: str) -> int:
@@ -131,3 +131,15 @@ def unpack(packed: Any, cu_seqlens: Any, *, axis: int = -2) -> list:
     cu = check_cu_seqlens(cu_seqlens, "cu_seqlens", shape[ax], f"packed.shape[{axis}]")
     lead = (slice(None),) * ax
     return [packed[lead + (slice(int(a), int(b)),)] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def refuse_in_binding(options: Any, framework: str) -> None:
+    """ValueError for a packed batch given to a framework binding (``cuonline.torch``,
+    ``cuonline.jax``): their traced programs need the boundaries' values when built, which
+    they do not have yet."""
+    given = [n for n in ("cu_seqlens_q", "cu_seqlens_k") if getattr(options, n) is not None]
+    if given:
+        raise ValueError(
+            f"the {framework} binding does not yet take packed batches ({', '.join(given)} "
+            f"given): call cuonline.attention on the arrays (it takes {framework} arrays and "
+            f"answers in kind, without gradients), or pad the batch")
