@@ -148,6 +148,20 @@ def attention(
         depend on the query (Transformer-XL, Enformer, Borzoi), computed tile by tile, never as
         an ``Lq x Lk`` array. `scale` does not multiply this term (pass `rel_q` scaled, as
         Enformer scales ``q`` before both terms).
+    cu_seqlens_q, cu_seqlens_k : 1-D int arrays, optional
+        Given together: a packed batch of ``B`` sequences of different lengths, end to end
+        along the length axes (FlashAttention's varlen convention; :func:`pack` builds it).
+        Both have ``B + 1`` boundaries, 0 first, non-decreasing, ``Lq`` (``total_q``) and
+        ``Lk`` (``total_k``) last; sequence ``b`` owns queries ``cu_seqlens_q[b]:
+        cu_seqlens_q[b + 1]`` and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and a query
+        sees only its own sequence's keys. Positions restart in each sequence (local
+        indices): the default `q_offset` is ``len_k - len_q`` per sequence, an explicit one
+        applies to every sequence; `causal`, `window`, `alibi_slopes`, `softcap`,
+        `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
+        sequence. Empty sequences on either side are allowed. Any integer dtype and array
+        library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
+        `mask`, `bias_block` or `kv_lengths`; NumPy engine only (docs/semantics.md, "Packed
+        variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -192,11 +206,16 @@ def attention(
         without `softcap`, `bias_block` without `bias` or with sizes below 1, a relative
         table of even length ``R``, `rel_q` without `rel_k` (or the reverse) or with another
         ``Dr``, an unknown `backend` or `precision`, ``precision="tf32"`` with
-        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``.
+        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
+        `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
+        packed length, of different counts, one without the other; a non-integer one is a
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
+        ``"cupy"`` and ``"emulate"`` backends or Dask arrays (no varlen kernels yet).
 
     See Also
     --------
     merge : combine results computed on disjoint sets of keys.
+    pack, unpack : build and split packed batches for `cu_seqlens_q` and `cu_seqlens_k`.
 
     Notes
     -----
@@ -237,6 +256,14 @@ def attention(
     >>> b = cuonline.attention(q, k[..., 64:, :], v[..., 64:, :], causal=True,
     ...                        q_offset=20, k_offset=64, return_lse=True)
     >>> bool(np.allclose(cuonline.merge(a, b)[0], out, atol=1e-5))
+    True
+
+    Sequences of different lengths packed end to end, each attending to itself only:
+
+    >>> x, cu = cuonline.pack([rng.standard_normal((4, n, 32)) for n in (300, 20, 170)])
+    >>> out = cuonline.attention(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    >>> alone = cuonline.attention(x[:, 300:320], x[:, 300:320], x[:, 300:320], causal=True)
+    >>> bool(np.allclose(out[:, 300:320], alone))
     True
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
@@ -322,6 +349,8 @@ def attention_backward(
         of their input as passed, None for a term not given. An input broadcast over some
         dimensions (a bias shared by every head, `k` and `v` shared by a group of query heads)
         gets the sum of the gradients over them, added in C order of the broadcast indices.
+        With `cu_seqlens_q`/`cu_seqlens_k` every gradient is packed like its input; the
+        tables `rel_bias` and `rel_k` get the sum over the sequences.
 
     Raises
     ------
@@ -482,6 +511,8 @@ def attention_stats(
     SCORE_OPTIONS
         As :func:`attention`: the statistics are those of the ``P`` that attention applies
         with these options.
+        `cu_seqlens_q` and `cu_seqlens_k` are not taken yet (a ValueError: split the
+        arrays with :func:`unpack` and call per sequence).
     entropy : bool, optional
         Compute the entropy of each row of ``P``. Default True.
     received : bool, optional
