@@ -149,6 +149,20 @@ def test_vjp_and_lists_of_boundaries(rng):
     np.testing.assert_array_equal(vjp(dout).dq, g.dq)
 
 
+def test_results_do_not_depend_on_workers(rng):
+    _, q, k, v, cq, ck = case(6)
+    runs = []
+    for workers in (1, 2, None):
+        out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True,
+                                      return_lse=True, workers=workers)
+        g = cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, cu_seqlens_q=cq,
+                                        cu_seqlens_k=ck, causal=True, workers=workers)
+        runs.append((out, g.dq, g.dk))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_wrong_lse_is_still_refused(rng):
     """The backward's check of lse runs on every group."""
     _, q, k, v, cq, ck = case(4)
