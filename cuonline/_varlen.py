@@ -20,9 +20,10 @@ __all__ = ["pack", "refuse_in_binding", "unpack"]
 def _axis(axis: Any, ndim: int, what: str) -> int:
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
         raise TypeError(f"`axis` must be an int, got {type(axis).__name__} {axis!r}")
+    axis = int(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(f"`axis` {axis} is out of range for {what} with {ndim} dimensions")
-    return int(axis) % ndim
+    return axis % ndim
 
 
 def pack(seqs: Any, *, axis: int = -2) -> tuple[Any, np.ndarray]:

@@ -207,6 +207,13 @@ def test_pack_refuses(seqs, error, message):
         cuonline.pack(seqs)
 
 
+def test_pack_and_unpack_refuse_bad_axes():
+    with pytest.raises(ValueError, match="`axis` 2 is out of range for `seqs\\[0\\]` with 2"):
+        cuonline.pack([np.zeros((3, 4))], axis=2)
+    with pytest.raises(TypeError, match="`axis` must be an int, got float 1.0"):
+        cuonline.unpack(np.zeros((3, 4)), [0, 3], axis=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # bad input: every rule names the argument, what it expected and what came
 
