@@ -16,7 +16,7 @@ keys) on three layouts of the same sequences:
 
 For each it prints the best wall time (forward; backward with the forward's results held) and
 the peak traced allocation during the call (NumPy's memory, tracemalloc) beside the size of
-the layout's q, k, v. Figures move with whatever else the machine does: compare ratios of one
+the layout's q, k, v, and how far its outputs are from the packed call's. Figures move with whatever else the machine does: compare ratios of one
 run.
 """
 
@@ -65,6 +65,15 @@ def run(calls, backward):
                     for g, q, k, v, o, s, kw in held]
 
 
+def sequences_of(name, results, lens):
+    """The forward results of layout ``name`` as one (H, L_b, Dv) array per sequence."""
+    if name == "packed":
+        return cuonline.unpack(results[0], np.concatenate(([0], np.cumsum(lens))))
+    if name == "padded":
+        return [results[0][b, :, :n] for b, n in enumerate(lens)]
+    return results
+
+
 def peak_bytes(fn):
     tracemalloc.start()
     try:
@@ -93,18 +102,21 @@ def main():
           f"{np.median(lens):.0f}, max {lens.max()}), {args.heads} heads, D {args.d}, "
           f"{args.dtype}; padded/packed work {work['padded'] / work['packed']:.2f}x")
     print("| layout | forward s | backward s | forward peak MiB | backward peak MiB "
-          "| q, k, v MiB |")
-    print("|---|---|---|---|---|---|")
+          "| q, k, v MiB | max abs diff vs packed |")
+    print("|---|---|---|---|---|---|---|")
     all_layouts = layouts(lens, args.heads, args.d, np.dtype(args.dtype))
+    reference = sequences_of("packed", run(all_layouts["packed"], False)(), lens)
     for name in args.layouts.split(","):
         calls = all_layouts[name]
+        diff = max(float(np.abs(a - b).max(initial=0.0)) for a, b in
+                   zip(sequences_of(name, run(calls, False)(), lens), reference))
         inputs = 3 * sum(q.nbytes for q, *_ in calls)     # q, k and v as separate arrays
         forward = best_seconds(run(calls, False), args.repeat)
         backward_fn = run(calls, True)
         backward = best_seconds(backward_fn, args.repeat)
         peaks = [peak_bytes(run(calls, False)), peak_bytes(backward_fn)]
         print(f"| {name} | {forward:.3f} | {backward:.3f} | {peaks[0] / 2**20:.0f} "
-              f"| {peaks[1] / 2**20:.0f} | {inputs / 2**20:.0f} |", flush=True)
+              f"| {peaks[1] / 2**20:.0f} | {inputs / 2**20:.0f} | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

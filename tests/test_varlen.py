@@ -305,3 +305,24 @@ def test_torch_and_jax_inputs_and_bindings():
     with pytest.raises(ValueError, match="JAX binding does not yet take packed batches"):
         binding.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
+@pytest.mark.slow
+def test_benchmark_prints_the_three_layouts_agreeing():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_varlen.py"), "--quick"],
+        capture_output=True, text=True, check=True, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
+            for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"layout", "packed", "padded", "loop"}
+    for name in ("packed", "padded", "loop"):
+        cells = [float(c) for c in rows[name]]
+        assert all(c > 0 for c in cells[:2])
+        assert cells[-1] < 1e-5, name                # the same attention, however laid out
