@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,10 @@ from .. import _semantics
 from .cpu_runtime import run_tasks, workers
 from .numpy import BLOCK_K, BLOCK_Q, MAX_KEY_TILE
 from .numpy_scores import ScorePipeline
+
+if TYPE_CHECKING:
+    from .._stats import AttentionStats
+    from .._validate import StatsProblem
 
 __all__ = ["RowState", "attention_stats", "finished", "probabilities", "row_state", "row_states",
            "received", "weights_of_rows"]
@@ -380,7 +385,7 @@ def finished(state, shape):
     return {n: None if x is None else x.reshape(shape + x.shape[1:]) for n, x in fields.items()}
 
 
-def attention_stats(sp):
+def attention_stats(sp: StatsProblem) -> AttentionStats:
     """Run the :class:`cuonline._validate.StatsProblem` ``sp``; return the fields of
     :class:`cuonline.AttentionStats` as a dict."""
     p = sp.scores

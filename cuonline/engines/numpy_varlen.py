@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._gradients import Gradients, Target
 from . import numpy as numpy_forward
 from . import numpy_backward
+
+if TYPE_CHECKING:
+    from .._validate import BackwardProblem, Problem
 
 __all__ = ["Group", "attention", "attention_backward", "groups"]
 
@@ -108,7 +112,7 @@ def _sub_problem(p, g: Group):
     )
 
 
-def attention(p):
+def attention(p: Problem) -> tuple[Any, Any]:
     """``(out, lse)`` of the packed problem ``p``: ``out`` ``S + (total_q, Dv)``, ``lse``
     ``S + (total_q,)`` (None unless ``p.return_lse``); a query of a sequence without keys
     gets 0 and ``-inf``."""
@@ -124,7 +128,7 @@ def attention(p):
     return out, lse
 
 
-def attention_backward(bp):
+def attention_backward(bp: BackwardProblem) -> Gradients:
     """:class:`cuonline.Gradients` of the packed backward problem ``bp``: each gradient packed
     (and shaped) like its input; the keys of a sequence without queries get zeros."""
     p = bp.forward
