@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check for a lent GPU (H200, CUDA 13 driver, cupy-cuda13x, torch; no network).
-# Runs the GPU tests, then benchmarks/gpu_bench.py (forward, genomics terms, backward), in
-# under 9 minutes; writes gpu.txt, the test log gpu_tests.txt, gpu_bench.json, gpu_bench.md,
+# Runs the GPU tests, the framework bindings' GPU check (benchmarks/gpu_frameworks.py), then
+# benchmarks/gpu_bench.py (forward, genomics terms, backward), in under 10 minutes; writes
+# gpu.txt, the test log gpu_tests.txt, gpu_frameworks.txt, gpu_bench.json, gpu_bench.md,
 # gpu_genomics.md and gpu_backward.md into $OUT if set, else ./bench-out.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, no install needed
@@ -33,11 +34,17 @@ for entry in test_tensor_core:30 test_semantics:30 test_cuda_engine:60 test_mma_
 done
 rm -f "$out/current.txt"
 
+# 1b. the framework bindings on the GPU, at most 75 s: cuonline.torch on CUDA tensors on a side
+#     stream with work queued before the call, cuonline.jax (where jaxlib sees the GPU) under
+#     jit, grad and vmap on XLA's stream, each against the NumPy engine on host copies
+#     (gpu_frameworks.txt)
+timeout 75 python benchmarks/gpu_frameworks.py --out "$out" 2>&1 | tail -n 60
+
 # 2. the benchmark, at most 130 s; gpu_bench.md/json are rewritten after every case
 timeout 130 python benchmarks/gpu_bench.py --out "$out" ${GPU_BENCH_ARGS:-} 2>&1 | tail -n 60
 cat "$out/gpu_bench.md"
 # 3. the genomics terms beside their dense bias, and the backward, at most 40 s each
-#    (gpu_genomics.md, gpu_backward.md: 6 files in $OUT in all)
+#    (gpu_genomics.md, gpu_backward.md: 7 files in $OUT in all, with gpu_frameworks.txt)
 timeout 40 python benchmarks/gpu_bench.py --out "$out" --section genomics --repeat 3 2>&1 | tail -n 12
 timeout 40 python benchmarks/gpu_bench.py --out "$out" --section backward --repeat 3 --quick \
   2>&1 | tail -n 30

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Any, Callable, TypeVar
 
-from . import _options, _validate
+from . import _arrays, _options, _validate
 from ._gradients import Gradients
+from ._stats import AttentionStats
 from .engines import dask as _dask      # recognises Dask arrays; imports Dask only when used
 from .engines import merge as _merge
 from .engines import softmax as _softmax
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "softmax",
-           "log_softmax", "logsumexp"]
+__all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp", "merge",
+           "softmax", "log_softmax", "logsumexp"]
 
 # backend name -> module under cuonline.engines implementing ``attention(problem)``, and the
 # one implementing ``attention_backward(backward_problem)``
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
+#: packed variable-length batches (cu_seqlens): validation admits them on the NumPy engine only
+_VARLEN_ENGINE = "numpy_varlen"
 #: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
 Array = Any
 F = TypeVar("F", bound=Callable[..., Any])
@@ -27,6 +32,34 @@ F = TypeVar("F", bound=Callable[..., Any])
 _CUDA_BACKENDS = ("cupy", "emulate")
 
 
+def _adapts(*names: str) -> Callable[[F], F]:
+    """Let ``function`` take the arrays of any library: its array arguments ``names`` (and
+    every array option it takes) are brought in as NumPy or CuPy arrays without a copy
+    (:func:`cuonline._arrays.adapt`), the call runs on the caller's device and stream, and
+    the results go back in the caller's library. NumPy, CuPy and Dask calls pass through."""
+    def decorate(function: F) -> F:
+        signature = inspect.signature(function)
+        # cu_seqlens are host integers read by the planner, of any library (NumPy with
+        # torch inputs included): validation brings them in, not the inputs' adapter
+        array_names = names + tuple(n for n in _options.array_options()
+                                    if n in signature.parameters
+                                    and n not in _validate.CU_SEQLENS)
+
+        @functools.wraps(function)
+        def adapted(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            arrays, origin = _arrays.adapt({n: bound.arguments[n] for n in array_names
+                                            if n in bound.arguments})
+            if origin is None:
+                return function(*args, **kwargs)
+            bound.arguments.update(arrays)
+            with origin.running():
+                return origin.back(function(*bound.args, **bound.kwargs))
+        return adapted                # type: ignore[return-value]
+    return decorate
+
+
+@_adapts("q", "k", "v")
 def attention(
     q: Array, k: Array, v: Array, *, scale: float | None = None, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
@@ -35,6 +68,7 @@ def attention(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Any:   # out, or (out, lse) with return_lse
@@ -48,7 +82,10 @@ def attention(
     ----------
     q : array, shape (..., Lq, D)
         Queries. NumPy or CuPy array of float16, bfloat16 (with ``ml_dtypes``), float32 or
-        float64. Any strides, including negative and zero (broadcast) ones.
+        float64. Any strides, including negative and zero (broadcast) ones. Torch tensors,
+        JAX arrays and other DLPack arrays are read in place as NumPy (host memory) or CuPy
+        (CUDA memory) arrays, and the results come back in their library and on their
+        device (docs/frameworks.md; ``cuonline.jax`` and ``cuonline.torch`` differentiate).
     k : array, shape (..., Lk, D)
         Keys, same dtype and library as `q`.
     v : array, shape (..., Lk, Dv)
@@ -111,6 +148,20 @@ def attention(
         depend on the query (Transformer-XL, Enformer, Borzoi), computed tile by tile, never as
         an ``Lq x Lk`` array. `scale` does not multiply this term (pass `rel_q` scaled, as
         Enformer scales ``q`` before both terms).
+    cu_seqlens_q, cu_seqlens_k : 1-D int arrays, optional
+        Given together: a packed batch of ``B`` sequences of different lengths, end to end
+        along the length axes (FlashAttention's varlen convention; :func:`pack` builds it).
+        Both have ``B + 1`` boundaries, 0 first, non-decreasing, ``Lq`` (``total_q``) and
+        ``Lk`` (``total_k``) last; sequence ``b`` owns queries ``cu_seqlens_q[b]:
+        cu_seqlens_q[b + 1]`` and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and a query
+        sees only its own sequence's keys. Positions restart in each sequence (local
+        indices): the default `q_offset` is ``len_k - len_q`` per sequence, an explicit one
+        applies to every sequence; `causal`, `window`, `alibi_slopes`, `softcap`,
+        `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
+        sequence. Empty sequences on either side are allowed. Any integer dtype and array
+        library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
+        `mask`, `bias_block` or `kv_lengths`; NumPy engine only (docs/semantics.md, "Packed
+        variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -155,11 +206,16 @@ def attention(
         without `softcap`, `bias_block` without `bias` or with sizes below 1, a relative
         table of even length ``R``, `rel_q` without `rel_k` (or the reverse) or with another
         ``Dr``, an unknown `backend` or `precision`, ``precision="tf32"`` with
-        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``.
+        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
+        `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
+        packed length, of different counts, one without the other; a non-integer one is a
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
+        ``"cupy"`` and ``"emulate"`` backends or Dask arrays (no varlen kernels yet).
 
     See Also
     --------
     merge : combine results computed on disjoint sets of keys.
+    pack, unpack : build and split packed batches for `cu_seqlens_q` and `cu_seqlens_k`.
 
     Notes
     -----
@@ -201,14 +257,40 @@ def attention(
     ...                        q_offset=20, k_offset=64, return_lse=True)
     >>> bool(np.allclose(cuonline.merge(a, b)[0], out, atol=1e-5))
     True
+
+    Sequences of different lengths packed end to end, each attending to itself only:
+
+    >>> x, cu = cuonline.pack([rng.standard_normal((4, n, 32)) for n in (300, 20, 170)])
+    >>> out = cuonline.attention(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    >>> alone = cuonline.attention(x[:, 300:320], x[:, 300:320], x[:, 300:320], causal=True)
+    >>> bool(np.allclose(out[:, 300:320], alone))
+    True
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
         return _dask.attention(attention, **locals())
     options = _options.from_call(locals())
     problem = _validate.validate_attention(q, k, v, options, return_lse=return_lse)
-    engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
+    engine = importlib.import_module(f"cuonline.engines.{_engine(_ENGINES, problem)}")
     out, lse = engine.attention(problem)
     return (out, lse) if return_lse else out
+
+
+def _engine(engines: dict, problem: Any) -> str:
+    """The module under cuonline.engines that runs ``problem``, from ``engines`` (backend ->
+    module) or, for a packed variable-length batch, the varlen driver (which does both)."""
+    if problem.cu_seqlens_q is not None:
+        return _VARLEN_ENGINE
+    return engines[problem.backend]
+
+
+def _documents_score_options(function: F) -> F:
+    """Write the score options of the table (every option but the engine's) into
+    ``function``'s docstring, where its Parameters section says ``SCORE_OPTIONS``."""
+    if function.__doc__:           # None under python -OO
+        score = [n for n in _options.names() if _options.option_kind(n) != "engine"]
+        function.__doc__ = function.__doc__.replace("    SCORE_OPTIONS\n",
+                                                    f"    {', '.join(score)}\n")
+    return function
 
 
 def _documents_options(function: F) -> F:
@@ -221,6 +303,7 @@ def _documents_options(function: F) -> F:
 
 
 @_documents_options
+@_adapts("dout", "q", "k", "v", "out", "lse")
 def attention_backward(
     dout: Array | float, q: Array, k: Array, v: Array, out: Array, lse: Array, *, scale: float | None = None, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
@@ -229,6 +312,7 @@ def attention_backward(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Gradients:
@@ -265,6 +349,8 @@ def attention_backward(
         of their input as passed, None for a term not given. An input broadcast over some
         dimensions (a bias shared by every head, `k` and `v` shared by a group of query heads)
         gets the sum of the gradients over them, added in C order of the broadcast indices.
+        With `cu_seqlens_q`/`cu_seqlens_k` every gradient is packed like its input; the
+        tables `rel_bias` and `rel_k` get the sum over the sequences.
 
     Raises
     ------
@@ -330,7 +416,8 @@ def attention_backward(
         return _dask.attention_backward(attention_backward, **locals())
     options = _options.from_call(locals())
     bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, options)
-    engine = importlib.import_module(f"cuonline.engines.{_BACKWARD_ENGINES[bp.forward.backend]}")
+    engine = importlib.import_module(
+        f"cuonline.engines.{_engine(_BACKWARD_ENGINES, bp.forward)}")
     return engine.attention_backward(bp)
 
 
@@ -343,6 +430,7 @@ def attention_vjp(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> tuple[Array, Callable[[Array | float], Gradients]]:
@@ -389,6 +477,135 @@ def attention_vjp(
         return attention_backward(dout, q, k, v, out, lse, **options)
 
     return out, vjp
+
+
+@_adapts("q", "k", "query_weights", "rows")
+@_documents_score_options
+def attention_stats(
+    q: Array, k: Array, *, scale: float | None = None, causal: bool = False,
+    window: tuple[int | None, int | None] | None = None, bias: Array | None = None,
+    mask: Array | None = None, kv_lengths: Array | None = None,
+    alibi_slopes: Array | None = None, softcap: float | None = None, softcap_bias: bool = False,
+    q_offset: int | None = None, k_offset: int = 0,
+    bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
+    rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
+    entropy: bool = True, received: bool = False, query_weights: Array | None = None,
+    top_k: int = 0, rows: Array | None = None,
+    backend: str = "auto", workers: int | None = None,
+) -> AttentionStats:
+    r"""Statistics of the attention weights ``P = softmax(scores)``, without the ``Lq x Lk``
+    matrix: what each query looks at, and what each key receives.
+
+    With the logits ``s`` of :func:`attention` (every term, in the documented order, the
+    positions included), ``p_ij = exp(s_ij - lse_i)`` over the keys query ``i`` sees; keys
+    it cannot see weigh 0. `v` is taken nowhere: ``P`` depends on the scores only.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq, D)
+        Queries, as :func:`attention` takes them.
+    k : array, shape (..., Lk, D)
+        Keys, same dtype as `q`. The leading dimensions of `q` and `k` broadcast together into
+        the batch shape ``S``.
+    SCORE_OPTIONS
+        As :func:`attention`: the statistics are those of the ``P`` that attention applies
+        with these options.
+        `cu_seqlens_q` and `cu_seqlens_k` are not taken yet (a ValueError: split the
+        arrays with :func:`unpack` and call per sequence).
+    entropy : bool, optional
+        Compute the entropy of each row of ``P``. Default True.
+    received : bool, optional
+        Compute the attention each key receives, ``sum_i w_i p_ij``. Default False.
+    query_weights : array, optional
+        Real array broadcastable to ``S + (Lq,)``: the weights ``w_i`` of `received` (ones by
+        default), e.g. 1 on a gene's promoter bins and 0 elsewhere. Only with
+        ``received=True``; finite.
+    top_k : int, optional
+        The number of keys with the largest weights to return per query. Default 0 (none).
+        May exceed the keys a query sees: the rest are -1 with weight 0.
+    rows : 1-D int array, optional
+        Query indices (negative ones count from the end) whose full rows of ``P`` are
+        returned, exactly; memory ``S + (len(rows), Lk)``.
+    backend : {"auto", "numpy"}, optional
+        The statistics run on the NumPy engine. The CUDA statistics kernels are not yet
+        available: CuPy inputs, ``backend="cupy"`` and ``backend="emulate"`` raise a
+        ValueError (convert with ``cupy.asnumpy``).
+    workers : int, optional
+        Threads, as in :func:`attention`. Results are the same for every `workers`.
+
+    Returns
+    -------
+    AttentionStats
+        A frozen dataclass with ``lse``, ``entropy``, ``max_weight``, ``argmax`` (S + (Lq,)),
+        ``received`` (S + (Lk,)), ``top_indices``, ``top_weights`` (S + (Lq, top_k)) and
+        ``weights`` (S + (len(rows), Lk)); a field not asked for is None. Statistics in the
+        accumulation dtype (float64 for float64 inputs, float32 otherwise), indices int64.
+        A query that sees no key has ``lse = -inf``, entropy 0, ``max_weight`` 0, ``argmax``
+        -1, top indices -1 with weights 0 and a zero row; no NaN and no warning.
+
+    Raises
+    ------
+    TypeError
+        As :func:`attention`; also `entropy` or `received` not a bool, a `top_k` that is not an
+        int, a non-real `query_weights`, or a non-integer `rows`.
+    ValueError
+        As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
+        ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
+        1-D or hold an index outside ``[-Lq, Lq)``, and CuPy inputs or the ``"cupy"`` and
+        ``"emulate"`` backends (no CUDA statistics kernels yet).
+
+    See Also
+    --------
+    attention : the output these weights produce.
+
+    Notes
+    -----
+    One tiled pass over the keys keeps, per query, the online-softmax state of
+    :func:`attention`, :math:`m` and :math:`l = \sum_j e^{s_j - m}`, and beside it
+    :math:`u = \sum_j e^{s_j - m} (s_j - m)`, rescaled with :math:`l` when :math:`m` grows
+    (:math:`u' = \alpha (u + (m - m') l)`, :math:`\alpha = e^{m - m'}`), the first key of the
+    largest score, and the ``top_k`` best (score, key) pairs. Then
+
+    .. math::
+
+        \mathrm{lse} = m + \log l, \quad H = \log l - u / l, \quad
+        \max_j p_j = 1 / l.
+
+    ``received`` is a second, key-owned pass: each block of keys adds
+    :math:`w^\top P` of the query blocks in a fixed order, with :math:`P` recomputed from
+    ``lse`` (deterministic for any `workers`); `rows` recompute their rows of :math:`P`
+    from ``lse``. Memory is a few tiles per thread plus the results.
+
+    Examples
+    --------
+    >>> import numpy as np, cuonline
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 300, 16)), rng.standard_normal((2, 400, 16))
+    >>> st = cuonline.attention_stats(q, k, causal=True, received=True, top_k=3, rows=[0, 5])
+    >>> st.lse.shape, st.received.shape, st.top_indices.shape, st.weights.shape
+    ((2, 300), (2, 400), (2, 300, 3), (2, 2, 400))
+
+    Each statistic is one of the dense ``P``:
+
+    >>> s = q @ k.transpose(0, 2, 1) / 4.0
+    >>> s[:, np.arange(400)[None, :] > np.arange(300)[:, None] + 100] = -np.inf
+    >>> P = np.exp(s - st.lse[..., None])
+    >>> bool(np.allclose(P.sum(axis=1), st.received))
+    True
+    >>> bool(np.array_equal(P.argmax(axis=-1), st.argmax))
+    True
+    >>> bool(np.allclose(P[:, [0, 5]], st.weights))
+    True
+    """
+    if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
+        return _dask.attention_stats(AttentionStats, **locals())
+    options = _options.from_call({**locals(), "precision": "highest"})
+    sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
+                                            query_weights=query_weights, top_k=top_k,
+                                            rows=rows)
+    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    return AttentionStats(**engine.attention_stats(sp))
 
 
 def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -443,10 +660,20 @@ def merge(*states: tuple[Array, Array]) -> tuple[Array, Array]:
     """
     if _dask.is_dask_merge(states):    # Dask arrays: a lazy blockwise merge
         return _dask.merge(*states)
+    named = {f"states[{n}][{i}]": x for n, state in enumerate(states)
+             if isinstance(state, (tuple, list)) for i, x in enumerate(state)}
+    arrays, origin = _arrays.adapt(named)
+    if origin is not None:           # torch, JAX, ...: merge their NumPy/CuPy views
+        with origin.running():
+            return origin.back(merge(*(
+                tuple(arrays[f"states[{n}][{i}]"] for i in range(len(state)))
+                if isinstance(state, (tuple, list)) else state
+                for n, state in enumerate(states))))
     xp, outs, lses = _validate.validate_merge(states)
     return _merge.merge_states(xp, outs, lses)
 
 
+@_adapts("x", "mask")
 def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
             backend: str = "auto") -> Array:
     r"""Softmax along `axis`, stable for any finite magnitude.
@@ -454,7 +681,7 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     Parameters
     ----------
     x : array
-        Real floating NumPy or CuPy array.
+        Real floating NumPy or CuPy array (or any DLPack array, as in :func:`attention`).
     axis : int, optional
         The axis to normalise over. Default: the last.
     mask : bool array, optional
@@ -498,6 +725,7 @@ def softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     return _softmax.softmax(p.xp, p.x, p.axis, p.mask)
 
 
+@_adapts("x", "mask")
 def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
                 backend: str = "auto") -> Array:
     r"""Logarithm of :func:`softmax` along `axis`, computed without forming the softmax.
@@ -519,6 +747,7 @@ def log_softmax(x: Array, axis: int = -1, *, mask: Array | None = None,
     return _softmax.log_softmax(p.xp, p.x, p.axis, p.mask)
 
 
+@_adapts("x", "mask")
 def logsumexp(x: Array, axis: int = -1, *, mask: Array | None = None, keepdims: bool = False,
               backend: str = "auto") -> Array:
     r"""``log(sum(exp(x)))`` along `axis`, stable for any finite magnitude.

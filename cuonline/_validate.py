@@ -15,15 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from . import _semantics
+from . import _arrays, _semantics
 from ._options import Options, array_layout, differentiable_options, names
 from .kernels import heuristics as _heuristics
 from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
-    "BACKENDS", "Problem", "SoftmaxProblem", "array_namespace", "check_backend",
-    "validate_attention", "validate_axis_input", "validate_merge",
+    "BACKENDS", "Problem", "SoftmaxProblem", "StatsProblem", "array_namespace", "check_backend",
+    "check_cu_seqlens", "CU_SEQLENS",
+    "validate_attention", "validate_attention_stats", "validate_axis_input", "validate_merge",
 ]
 
 #: Engine names accepted by ``backend=``; "auto" picks by the array library of the inputs.
@@ -79,6 +80,13 @@ class Problem:
     rel_bias: Any = None       # batch_shape + (Rb,), acc_dtype, Rb odd, or None
     rel_q: Any = None          # batch_shape + (lq, dr), acc_dtype, or None (with rel_k)
     rel_k: Any = None          # batch_shape + (Rk, dr), acc_dtype, Rk odd, or None
+    # packed variable-length batch: (B + 1,) int64 NumPy boundaries of the sequences along
+    # the query and key axes (lq, lk are the totals), or None; rel_q is packed like q
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    # per sequence: _semantics.diagonal_offset of a call on the sequence alone (a tuple of
+    # ints), or None without cu_seqlens
+    sequence_diagonals: tuple | None = None
 
     @property
     def nbatch(self) -> int:
@@ -108,39 +116,10 @@ class Problem:
 # array libraries
 
 
-def _library(x) -> str | None:
-    """'numpy', 'cupy' or None (not an array of either)."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        return "cupy"
-    return None
-
-
 def array_namespace(**named) -> Any:
-    """Return numpy or cupy for the named arguments, which must not mix array libraries.
-
-    ``None`` values and non-array values (lists, scalars) are ignored here; they are converted
-    with the namespace chosen by the arrays.
-    """
-    seen: dict[str, str] = {}
-    for name, x in named.items():
-        _refuse_masked(x, name)
-        lib = _library(x)
-        if lib is not None:
-            seen.setdefault(lib, name)
-    if len(seen) > 1:
-        (lib_a, arg_a), (lib_b, arg_b) = sorted(seen.items())
-        raise TypeError(
-            f"arrays from different libraries: `{arg_a}` is a {lib_a} array and `{arg_b}` is a "
-            f"{lib_b} array; move them to one library first (cupy.asarray / cupy.asnumpy)"
-        )
-    if "cupy" in seen:
-        import cupy
-
-        return cupy
-    return np
+    """numpy or cupy for the named arguments, which must not mix array libraries
+    (:func:`cuonline._arrays.namespace`: the mixed-libraries TypeError names them)."""
+    return _arrays.namespace(**named)
 
 
 def _as_array(xp, x, name):
@@ -150,16 +129,6 @@ def _as_array(xp, x, name):
         return xp.asarray(x)
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
         raise TypeError(f"`{name}` must be an array, got {type(x).__name__}: {exc}") from None
-
-
-def _refuse_masked(x, name):
-    # asarray would drop a numpy.ma mask without a word, computing with the masked-out values
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(
-            f"`{name}` is a numpy.ma masked array, whose mask cuonline would ignore; pass its "
-            f"data (numpy.ma.getdata) and the entries to keep as the boolean `mask=` argument "
-            f"(True = keep, i.e. ~numpy.ma.getmaskarray(x))"
-        )
 
 
 def _as_strided(xp, x, shape, strides):
@@ -212,7 +181,7 @@ def _clip_python_ints(value, lk):
     """``kv_lengths`` given as Python ints (or nested lists of them) beyond int64 would become an
     object array: values above ``Lk`` mean all keys, so clip them to ``Lk`` first. Anything
     else is returned as it came, for the usual checks."""
-    if _library(value) is not None:
+    if _arrays.library(value) is not None:
         return value
     try:
         arr = np.asarray(value)
@@ -457,8 +426,10 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     its keywords (tools and tests: ``validate_attention(q, k, v, causal=True)``), not both.
     """
     o = _options_of(options, keywords)
-    xp = array_namespace(q=q, k=k, v=v, **o.arrays())
+    arrays = {n: x for n, x in o.arrays().items() if n not in CU_SEQLENS}
+    xp = array_namespace(q=q, k=k, v=v, **arrays)
     backend = check_backend(o.backend, xp)
+    varlen = _check_varlen_options(o, backend)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -484,7 +455,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
             f"`v` must have as many rows as `k` (Lk = {lk}), got v.shape = {tuple(v.shape)}"
         )
     if xp is not np:
-        _check_same_device(q=q, k=k, v=v, **o.arrays())
+        _check_same_device(q=q, k=k, v=v, **arrays)
     try:
         batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     except ValueError:
@@ -516,7 +487,20 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     causal = _check_bool(o.causal, "causal")
     workers = _check_workers(o.workers)
     return_lse = _check_bool(return_lse, "return_lse")
+    # with cu_seqlens, a side that reaches past every key of the whole batch reaches past
+    # those of each sequence too (a sequence's bound is at most the batch's)
     window = _semantics.effective_window(causal, _check_window(o.window, lq, lk, diagonal))
+    cu_q = cu_k = diagonals = None
+    if varlen:
+        cu_q = check_cu_seqlens(o.cu_seqlens_q, "cu_seqlens_q", lq, "q.shape[-2]")
+        cu_k = check_cu_seqlens(o.cu_seqlens_k, "cu_seqlens_k", lk, "k.shape[-2]")
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(
+                f"`cu_seqlens_q` and `cu_seqlens_k` must have the same length B + 1 (one "
+                f"boundary more than sequences), got {cu_q.shape[0]} and {cu_k.shape[0]}")
+        diagonals = tuple(_semantics.sequence_diagonals(
+            cu_q, cu_k, _check_offset(o.q_offset, "q_offset", optional=True),
+            _check_offset(o.k_offset, "k_offset")))
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
@@ -581,7 +565,93 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
         bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
         workers=workers, diagonal_offset=diagonal, softcap_bias=softcap_bias,
         bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sequence_diagonals=diagonals,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# packed variable-length batches (issue 20)
+
+CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
+#: Options whose shapes span the padded (Lq, Lk) plane or the batch: no meaning across packed
+#: sequences.
+_NOT_WITH_VARLEN = ("bias", "mask", "bias_block", "kv_lengths")
+
+
+def _check_varlen_options(o: Options, backend: str) -> bool:
+    """Whether the call is a packed variable-length batch: ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` given together, without the options that have no meaning across
+    sequences, on an engine that runs it."""
+    given = [n for n in CU_SEQLENS if getattr(o, n) is not None]
+    if not given:
+        return False
+    if len(given) == 1:
+        missing = "cu_seqlens_k" if given[0] == "cu_seqlens_q" else "cu_seqlens_q"
+        raise ValueError(f"`{given[0]}` was given without `{missing}`: a packed batch needs "
+                         f"the boundaries of its sequences along both the query and key axes "
+                         f"(pass the same array twice for self-attention)")
+    for name in _NOT_WITH_VARLEN:
+        if getattr(o, name) is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with `cu_seqlens_q`/`cu_seqlens_k`: its shape "
+                f"spans the whole (Lq, Lk) plane or the batch, which has no meaning across "
+                f"packed sequences; got {name}={_describe(getattr(o, name))}. Use the "
+                f"per-sequence options (causal, window, alibi_slopes, rel_bias, rel_q/rel_k) "
+                f"or call without cu_seqlens on padded arrays")
+    if backend in _CUDA_BACKENDS:
+        raise ValueError(
+            f"packed variable-length batches (`cu_seqlens_q`, `cu_seqlens_k`) run on the "
+            f"NumPy engine only: the CUDA varlen kernels are not yet available "
+            f"(backend={backend!r}); pass NumPy arrays (cupy.asnumpy) with backend='auto' or "
+            f"'numpy'")
+    return True
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
+
+
+def check_cu_seqlens(value, name, total, total_name):
+    """``cu_seqlens_*``: a 1-D integer array of B + 1 boundaries, 0 first, non-decreasing,
+    ``total`` last, of any array library (its B + 1 integers are read on the host: the
+    engines plan there). Returned as int64 NumPy."""
+    lib = _arrays.library(value)
+    if lib == "dask":
+        raise TypeError(f"`{name}` must be a computed array (NumPy, a list of ints, ...), got "
+                        f"a Dask array; call .compute() on it first")
+    if lib not in (None, "numpy"):
+        value = _arrays.adapt({name: value})[0][name]    # torch, JAX, ...: NumPy or CuPy
+        if _arrays.library(value) == "cupy":
+            value = value.get()
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
+        raise TypeError(f"`{name}` must be a 1-D integer array, got "
+                        f"{type(value).__name__}: {exc}") from None
+    if arr.dtype.kind not in "iu":
+        kind = {"b": "boolean", "f": "floating", "c": "complex", "O": "object"}.get(
+            arr.dtype.kind, arr.dtype.name)
+        raise TypeError(f"`{name}` must be a 1-D integer array of sequence boundaries, got "
+                        f"{kind} dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"`{name}` must be 1-D with B + 1 >= 1 boundaries, got shape "
+                         f"{tuple(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) > total:
+        raise ValueError(f"`{name}` must end at {total_name} = {total}, got a boundary "
+                         f"{int(arr.max())}")
+    arr = arr.astype(np.int64)
+    if int(arr[0]) != 0:
+        raise ValueError(f"`{name}` must start at 0, got {int(arr[0])}")
+    steps = np.diff(arr)
+    if steps.size and int(steps.min()) < 0:
+        b = int(np.argmax(steps < 0))
+        raise ValueError(f"`{name}` must be non-decreasing (sequence lengths >= 0), got "
+                         f"{name}[{b + 1}] = {int(arr[b + 1])} < {name}[{b}] = {int(arr[b])}")
+    if int(arr[-1]) != total:
+        raise ValueError(f"`{name}` must end at {total_name} = {total} (the packed length), "
+                         f"got {int(arr[-1])}")
+    return arr
 
 
 def _check_cuda_limits(backend, batch, lq, lk, d, dv):
@@ -632,7 +702,7 @@ def _check_same_device(**named):
     current = cupy.cuda.Device().id
     for name, x in named.items():
         dev = getattr(getattr(x, "device", None), "id", current)
-        if _library(x) == "cupy" and dev != current:
+        if _arrays.library(x) == "cupy" and dev != current:
             raise ValueError(
                 f"`{name}` lives on GPU {dev} but the current device is GPU {current}; "
                 f"call inside `with cupy.cuda.Device({dev}):` or move the array"
@@ -838,3 +908,96 @@ def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None
                                    tail=len(array_layout(name)))
     return BackwardProblem(forward=p, dout=_native(xp, dout), out=_native(xp, out),
                            lse=_native(xp, lse), targets=targets)
+
+
+# --------------------------------------------------------------------------------------------
+# attention_stats (issue 21)
+
+
+@dataclass(frozen=True)
+class StatsProblem:
+    """One :func:`cuonline.attention_stats` call, checked and normalised.
+
+    ``scores`` is the attention :class:`Problem` of the call's score options, built by
+    :func:`validate_attention` with a zero-width ``v`` (the statistics read no values), so the
+    scores follow attention's rules exactly. The statistics' own arguments are checked here.
+    """
+
+    scores: Problem
+    entropy: bool
+    received: bool
+    query_weights: Any         # batch_shape + (lq,), acc_dtype, or None (ones)
+    top_k: int                 # >= 0
+    rows: Any                  # 1-D int64 query indices in [0, lq), or None
+
+
+def validate_attention_stats(q, k, options: Options, *, entropy=True, received=False,
+                             query_weights=None, top_k=0, rows=None) -> StatsProblem:
+    """Check the arguments of :func:`cuonline.attention_stats` and build its
+    :class:`StatsProblem`.
+
+    The score options are checked by :func:`validate_attention` (with ``v`` a zero-width view
+    of `k`); `entropy` and `received` are bools, `query_weights` a real array broadcastable
+    to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
+    integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
+    """
+    given = [n for n in CU_SEQLENS if getattr(options, n) is not None]
+    if given:
+        raise ValueError(
+            f"attention_stats does not yet take packed batches (got {', '.join(given)}): "
+            f"split the arrays with cuonline.unpack and call it per sequence")
+    xp = array_namespace(q=q, k=k, query_weights=query_weights, rows=rows, **options.arrays())
+    k_array = _as_array(xp, k, "k")
+    # the statistics depend on the scores only: a zero-width v passes attention's checks of
+    # v whatever k is (k's own errors come first), and costs nothing
+    v = k_array[..., :0] if k_array.ndim >= 2 else k_array
+    q_array = _as_array(xp, q, "q")
+    if (q_array.ndim >= 2 and k_array.ndim >= 2 and _is_float_dtype(q_array.dtype)
+            and _is_float_dtype(k_array.dtype)
+            and _native_dtype(q_array.dtype) != _native_dtype(k_array.dtype)):
+        raise TypeError(f"`q` and `k` must share one dtype, got {_native_dtype(q_array.dtype)} "
+                        f"and {_native_dtype(k_array.dtype)}; convert them first, e.g. "
+                        f"k.astype(q.dtype)")
+    p = validate_attention(q_array, k_array, v, options, return_lse=True)
+    if p.backend in _CUDA_BACKENDS:
+        raise ValueError(
+            f"attention_stats runs on the NumPy engine only: the CUDA statistics kernels are "
+            f"not yet available (backend={p.backend!r}); pass NumPy arrays (cupy.asnumpy) "
+            f"with backend='auto' or 'numpy'"
+        )
+    entropy = _check_bool(entropy, "entropy")
+    received = _check_bool(received, "received")
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"`top_k` must be an int >= 0, got {type(top_k).__name__} {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0, got {int(top_k)}")
+    if query_weights is not None:
+        if not received:
+            raise ValueError("`query_weights` weighs the queries in the attention `received` "
+                             "by each key, but received=False; pass received=True")
+        query_weights = _as_array(xp, query_weights, "query_weights")
+        if np.dtype(query_weights.dtype).kind not in "biuf":
+            raise TypeError(f"`query_weights` must be a real array (float, int or bool), got "
+                            f"dtype {query_weights.dtype}")
+        query_weights = _broadcast_to(xp, query_weights, p.batch_shape + (p.lq,),
+                                      "query_weights", "S + (Lq,)")
+        query_weights = astype_view(xp, query_weights, p.acc_dtype)
+        if query_weights.size and not bool(xp.isfinite(query_weights).all()):
+            raise ValueError("`query_weights` must be finite, got NaN or infinity")
+    if rows is not None:
+        rows = _as_array(xp, rows, "rows")
+        if rows.size == 0 and rows.ndim == 1:
+            rows = rows.astype(np.int64)       # [] is float64 to NumPy: no index either way
+        if np.dtype(rows.dtype).kind not in "iu":
+            raise TypeError(f"`rows` must be an integer array of query indices, got dtype "
+                            f"{rows.dtype}")
+        if rows.ndim != 1:
+            raise ValueError(f"`rows` must be 1-D (query indices), got shape "
+                             f"{tuple(rows.shape)}")
+        if rows.size and (int(rows.min()) < -p.lq or int(rows.max()) >= p.lq):
+            bad = int(rows.min()) if int(rows.min()) < -p.lq else int(rows.max())
+            raise ValueError(f"`rows` must hold query indices in [-Lq, Lq) = [{-p.lq}, {p.lq}), "
+                             f"got {bad}")
+        rows = xp.asarray(rows, dtype=np.int64) % max(p.lq, 1)
+    return StatsProblem(scores=p, entropy=entropy, received=received,
+                        query_weights=query_weights, top_k=int(top_k), rows=rows)

@@ -48,7 +48,8 @@
 //     kBlockR keys stay in registers through the loop over the query tiles that may see them.
 //   cuonline_attention_bwd_mma_dq: grid.x = nbatch * n_query_tiles (the heaviest causal tiles
 //     first, block_range); dQ stays in registers; with kWriteDs each place of the loop's tiles
-//     writes g into ds (and with rel_qk its content gradient into dc).
+//     writes g into ds (and with rel_qk its content gradient into dc); each query row's sum
+//     of P goes to row_sums, for the host's check of lse.
 // Shared memory (dynamic; element type T in tensor_core.cuh's SmemTile layouts, then Acc):
 //   dK/dV: sK (kBlockR, kDp), sV (kBlockR, kDvp)  the owned keys, loaded once
 //          sQ (kBlockC, kDp), sdO (kBlockC, kDvp) a query tile
@@ -346,6 +347,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc dq_acc[kNd][4];
     zero(dq_acc);
     Acc row_lse[2], row_delta[2];     // rows g and g + 8 of the warp's queries
+    Acc row_sum[2] = {Acc(0), Acc(0)};   // this lane's share of their sums of P
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long i = i0 + warp_row + g + 8 * h;
@@ -405,7 +407,8 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[n][e], i, j, rel);
-                    const Acc p = backward_weight(x, row_lse[h]);
+                    const Acc p = summed_weight(x, row_lse[h]);
+                    row_sum[h] += p;
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);
@@ -420,6 +423,15 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
         }
     }
 
-    // ---- write dQ of the block's queries (zero for a query that sees no key)
+    // ---- write dQ of the block's queries (zero for a query that sees no key), and each row's
+    //      sum of P over the 4 lanes of its quad (shfl_xor 1, 2: every lane gets the same sum)
     write_tile<kD>(dq, dq_acc, b * lq, i0 + warp_row, lq);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        Acc sum = row_sum[h];
+        sum += __shfl_xor_sync(CUONLINE_FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(CUONLINE_FULL_MASK, sum, 2);
+        const long long i = i0 + warp_row + g + 8 * h;
+        if (t == 0 && i < lq) row_sums[b * lq + i] = sum;
+    }
 }

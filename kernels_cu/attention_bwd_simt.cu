@@ -35,7 +35,8 @@
 //     registers (lane t: columns t, t + 32, ...) and are written once.
 //   cuonline_attention_bwd_dq: grid.x = nbatch * n_query_tiles; the block owns kBlockR queries
 //     and loops over the key tiles they may see (lane t: keys t, t + 32, ...); dQ stays in
-//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds.
+//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds. Each
+//     query row's sum of P goes to row_sums: the host checks lse with it.
 //   Per tile, scores and dP are lane-parallel over the streamed rows, then each streamed row's
 //   weight is broadcast by shuffle and accumulated into the owned rows' columns, in a fixed
 //   order: two runs give bitwise identical results.
@@ -325,8 +326,10 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 
     Acc dq_acc[kRows][kColsD];
     Acc row_lse[kRows], row_delta[kRows];
+    Acc row_sum[kRows];      // this lane's share of each row's sum of P
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
+        row_sum[r] = Acc(0);
 #pragma unroll
         for (int c = 0; c < kColsD; ++c) dq_acc[r][c] = Acc(0);
         const long long i = i0 + warp * kRows + r;
@@ -395,7 +398,8 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc rel = Acc(0);  // rel_q[i] · rel_k[delta], from the staged copies
                     if constexpr (kHasRelQk) rel = pipe.rel_qk(sRq, sRk, i0, band_lo, i, j);
                     const Acc x = pipe.score(s[r][t], i, j, rel);
-                    const Acc p = backward_weight(x, row_lse[r]);
+                    const Acc p = summed_weight(x, row_lse[r]);
+                    row_sum[r] += p;
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
@@ -431,11 +435,14 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
         }
     }
 
-    // ---- write dQ of the block's queries (zero for a query that sees no key)
+    // ---- write dQ of the block's queries (zero for a query that sees no key), and each row's
+    //      sum of P over the warp's lanes (a fixed butterfly: every lane gets the same sum)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
         const long long i = i0 + warp * kRows + r;
+        const Acc sum = warp_sum(row_sum[r]);
         if (i >= lq) continue;
+        if (lane == 0) row_sums[b * lq + i] = sum;
 #pragma unroll
         for (int c = 0; c < kColsD; ++c) {
             const int col = lane + 32 * c;

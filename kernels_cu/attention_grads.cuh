@@ -15,6 +15,16 @@ __device__ __forceinline__ Acc backward_weight(Acc s, Acc lse) {
     return exp2_((s - lse) * log2e(Acc()));
 }
 
+// The dQ kernels' P, which they also sum per row (row_sums) for the host's check of lse
+// (cuonline/_lse_check.py): 0 for an invisible place, whatever lse (a row that sees no key
+// has only those), so that an lse of -inf on a row that sees a key gives infinite weights
+// and the host refuses it. (backward_weight keeps the dK/dV kernels' registers as they were.)
+template <class Acc>
+__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {
+    if (s == neg_inf(Acc())) return Acc(0);
+    return exp2_((s - lse) * log2e(Acc()));
+}
+
 // From P, dP and Delta at one place: g_bias, the gradient of the loss with respect to the
 // place's additive bias term (dS, through the derivative of a soft cap of the whole logit),
 // g_content, with respect to the content score scale q·k + rel (through the content score's
@@ -65,6 +75,7 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
         CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
         CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
+        CUONLINE_ACC* __restrict__ row_sums,      /* (nbatch, lq): each row's sum of P */     \
         const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
         const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \
         int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \

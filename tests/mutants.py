@@ -84,6 +84,19 @@ MUTANTS = {
         "Op::mma(o, pf[mt], vf[u]);",
         "Op::mma(o, pf[0], vf[u]);",
     ),
+    # Backward, both families: the dQ kernel's sum of P dropped, so every row that sees a key
+    # records 0 and the host's check of lse cannot tell a right lse from a wrong one.
+    "bwd_simt_no_row_sum": ("attention_bwd_simt.cu", "row_sum[r] += p;", ""),
+    "bwd_mma_no_row_sum": ("attention_bwd_mma.cu", "row_sum[h] += p;", ""),
+    # Backward: no weight under lse = -inf, so a row that sees keys sums to 0 as a row that
+    # sees none does, and an lse of -inf there passes.
+    "bwd_weight_zero_under_neg_inf_lse": (
+        "attention_grads.cuh",
+        "__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {\n"
+        "    if (s == neg_inf(Acc())) return Acc(0);",
+        "__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {\n"
+        "    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);",
+    ),
 }
 
 

@@ -329,6 +329,45 @@ def test_attention_backward_on_the_emulated_engine(name, dtype):
 
 
 @needs_emulation
+def test_nan_in_relative_rows_nobody_sees_stays_out_of_the_other_gradient():
+    # issue 22 item 2: under causal no query sees distances > 0, and with Lq > Lk queries
+    # 0..2 see no key; NaN there must give the gradients of zeros there (those places
+    # contribute exactly zero), not drel_q (drel_k) NaN through 0 * NaN in a matrix product
+    import cuonline
+    from oracle import reference_attention_backward
+    rng = np.random.default_rng(3)
+    lq, lk, radius = 12, 9, 3
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (lq, lk, lk))
+    rel_q, rel_k = rng.standard_normal((lq, 4)), rng.standard_normal((2 * radius + 1, 4))
+    rel_q[:3] = rel_k[radius + 1:] = np.nan
+    clean = dict(causal=True, rel_q=np.nan_to_num(rel_q, nan=0.0),
+                 rel_k=np.nan_to_num(rel_k, nan=0.0))
+    options = dict(causal=True, rel_q=rel_q, rel_k=rel_k)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = reference_attention_backward(dout, q, k, v, **clean)
+    for field in ("dq", "dk", "dv", "drel_q", "drel_k"):
+        assert np.allclose(getattr(got, field), want[field], rtol=0, atol=1e-12), field
+    assert not got.drel_q[:3].any() and not got.drel_k[radius + 1:].any()
+
+
+def test_weighted_sums_skip_zero_weights_and_keep_the_rest_ieee():
+    from cuonline.engines.cuda_backward import weighted_sums
+    w = np.array([[0.0, 2.0, 1.0], [0.0, 0.0, 1.0], [0.0, -1.0, 0.0], [1.0, 1.0, 1.0]])
+    x = np.array([[np.nan, np.inf], [1.0, np.inf], [2.0, -np.inf]])
+    got = weighted_sums(np, w, x)
+    want = np.array([[4.0, np.nan],              # inf + (-inf)
+                     [2.0, -np.inf],
+                     [-1.0, -np.inf],              # -1 * inf
+                     [np.nan, np.nan]])            # a non-zero weight meets NaN
+    assert np.array_equal(got, want, equal_nan=True)
+    finite = np.random.default_rng(0).standard_normal((2, 3, 5))
+    y = np.random.default_rng(1).standard_normal((2, 5, 4))
+    assert np.array_equal(weighted_sums(np, finite, y), finite @ y)
+
+
+@needs_emulation
 @pytest.mark.parametrize("lq, lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 0, 4),
                                            (5, 6, 4, 0), (1, 1, 1, 1)])
 def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):
@@ -346,6 +385,63 @@ def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):
 
 
 # --------------------------------------------------------------------------------------------
+# issue 22 item 6: an lse that cannot belong to the inputs (the dQ kernel sums each row's P)
+
+
+def lse_case(dtype, *, lq=40, lk=45):
+    """dout, q, k, v, out, lse and the options of a causal case in which every query of
+    batch element 1 sees keys and none of batch element 0 does (kv_lengths 0: lse -inf)."""
+    import cuonline
+    q, k, v, dout, opts = case(31, dtype, ("causal",), lq=lq, lk=lk)
+    opts = dict(opts, kv_lengths=np.array([0, lk]))
+    out, lse = cuonline.attention(q, k, v, backend="numpy", return_lse=True, **opts)
+    return dout, q, k, v, out, lse, opts
+
+
+def wrong_lses(lse):
+    """The issue's wrong lse values, each off on batch element 1 (whose rows see keys)."""
+    neg_inf = lse.copy()
+    neg_inf[1, 7] = -np.inf
+    return {"+5": lse + 5, "-50": lse - 50, "-inf on a row that sees keys": neg_inf}
+
+
+def simt_gradients(dout, q, k, v, out, lse, opts, sources=None):
+    from cuonline.engines import cuda_backward
+    from cuonline.engines.target import overrides
+    with overrides(family="attention_bwd_simt", kernel_sources=sources):
+        return cuda_backward.gradients(problem_of("emulate", q, k, v, **opts), dout, out, lse)
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_an_lse_that_does_not_belong_to_the_inputs_is_refused(dtype):
+    dout, q, k, v, out, lse, opts = lse_case(dtype)
+    assert (lse[0] == -np.inf).all() and np.isfinite(lse[1]).all()
+    g = simt_gradients(dout, q, k, v, out, lse, opts)
+    assert not g["dq"][0].any() and np.isfinite(g["dq"]).all()
+    for name, wrong in wrong_lses(lse).items():
+        with pytest.raises(ValueError, match=r"`lse` must be the one attention returned.*"
+                                             r"row \(1, "):
+            simt_gradients(dout, q, k, v, out, wrong, opts)
+
+
+@needs_emulation
+@pytest.mark.parametrize("mutant", ["bwd_simt_no_row_sum", "bwd_weight_zero_under_neg_inf_lse"])
+def test_the_lse_check_catches_a_kernel_without_its_row_sums(mutant):
+    from mutants import mutant_sources
+    dout, q, k, v, out, lse, opts = lse_case(np.float32, lq=20, lk=24)
+    wrong = wrong_lses(lse)["-inf on a row that sees keys"]
+    sources = mutant_sources(mutant)
+    with pytest.raises(ValueError, match="`lse`"):     # the real kernel refuses it
+        simt_gradients(dout, q, k, v, out, wrong, opts)
+    if mutant == "bwd_simt_no_row_sum":                 # refuses the right lse too
+        with pytest.raises(ValueError, match="`lse`"):
+            simt_gradients(dout, q, k, v, out, lse, opts, sources)
+    else:                                               # takes the wrong one
+        simt_gradients(dout, q, k, v, out, wrong, opts, sources)
+
+
+# --------------------------------------------------------------------------------------------
 # the host's reductions of dS (pure functions)
 
 
@@ -357,6 +453,32 @@ def test_block_sums_sum_each_block_of_places():
     for a in range(3):
         for c in range(3):
             assert np.allclose(got[:, a, c], ds[:, 3 * a:3 * a + 3, 4 * c:4 * c + 4].sum((1, 2)))
+
+
+@needs_emulation
+@pytest.mark.parametrize("rows", [2**31, 2**40], ids=["2**31", "2**40"])
+def test_a_bias_block_larger_than_the_sequence_is_one_block(rows):
+    # issue 22 item 7: dS was padded to a multiple of the block (384 GiB for 2**31 rows, a
+    # MemoryError; 192 TiB for 2**40); the forward and the NumPy backward clip the block
+    import cuonline
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (9, 11, 11))
+    bias = rng.standard_normal((1, 4))           # one block row, blocks of 3 keys
+    options = dict(bias=bias, bias_block=(rows, 3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, backend="numpy", **options)
+    assert got.dbias.shape == bias.shape
+    for field in ("dq", "dk", "dv", "dbias"):
+        assert np.allclose(getattr(got, field), getattr(want, field), rtol=0, atol=1e-13), field
+
+
+def test_block_sums_of_a_block_larger_than_the_places():
+    from cuonline.engines.cuda_backward import block_sums
+    ds = np.random.default_rng(2).standard_normal((2, 7, 10))
+    got = block_sums(np, ds, (2**40, 2**31))
+    assert got.shape == (2, 1, 1) and np.allclose(got[:, 0, 0], ds.sum((1, 2)))
 
 
 @pytest.mark.parametrize("diag, radius", [(0, 2), (3, 4), (-5, 1), (0, 0), (2**40, 3), (0, 20)])
@@ -424,17 +546,17 @@ def test_plan_covers_every_key_and_query_tile():
 # with the rel_q / rel_k staging (and dS, dC written)
 _TSAN_SCRIPT = """
 import numpy as np
+from oracle import reference_attention
 from support import make_case, problem_of
 from cuonline.engines import cuda_backward
 from cuonline.engines.target import overrides
 rng = np.random.default_rng(5)
 q, k, v, _ = make_case(4, lq=40, lk=40)
 dout = rng.standard_normal((2, 40, 24)).astype(np.float32)
-out = np.zeros_like(dout)
-lse = np.zeros((2, 40), dtype=np.float32)
 terms = dict(rel_q=rng.standard_normal((40, 4)), rel_k=rng.standard_normal((9, 4)),
              bias=rng.standard_normal((40, 40)))
 for options in ({{}}, terms):
+    out, lse = reference_attention(q, k, v, **options)       # the lse is checked
     with overrides(kernel_sources={sources!r}, emulate_options=dict(mode="threads", tsan=True)):
         g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)
 print("DONE", g["dq"].shape)

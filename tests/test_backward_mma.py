@@ -391,6 +391,40 @@ def test_a_nan_in_keys_shared_by_the_heads_is_found_and_stays_in_its_rows():
         assert (~np.isfinite(got.dq[head]).all(axis=-1)).tolist() == [i >= 7 for i in range(40)]
 
 
+@needs_emulation
+@pytest.mark.parametrize("mutant", [None, "bwd_mma_no_row_sum"], ids=["real", "no_row_sum"])
+def test_an_lse_that_does_not_belong_to_the_inputs_is_refused(mutant):
+    # issue 22 item 6 on the tensor-core family: every query of batch element 1 sees keys
+    # (causal, Lk > Lq), none of batch element 0 (kv_lengths 0: lse -inf).
+    # Without the dQ kernel's sum of P (the mutant) the right lse is refused too, which also
+    # shows that this family ran.
+    import cuonline
+    from mutants import mutant_sources
+
+    from cuonline.engines.target import overrides
+    dout, q, k, v, opts = case(31, np.float16, ("causal",), lq=40, lk=45)
+    opts = dict(opts, kv_lengths=np.array([0, 45]))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **opts)
+    neg_inf = lse.copy()
+    neg_inf[1, 7] = -np.inf
+    sources = mutant_sources(mutant) if mutant else None
+
+    def backward(lse):
+        with overrides(arch="sm_90", kernel_sources=sources):
+            return cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate",
+                                               **opts)
+
+    if mutant:
+        with pytest.raises(ValueError, match="`lse`"):
+            backward(lse)
+        return
+    assert np.isfinite(backward(lse).dq).all()
+    for wrong in (lse + 5, lse - 50, neg_inf):
+        with pytest.raises(ValueError, match=r"`lse` must be the one attention returned.*"
+                                             r"row \(1, "):
+            backward(wrong)
+
+
 def test_the_finiteness_scan_reads_each_element_of_a_broadcast_view_once():
     from cuonline.engines import cuda_backward
     x = np.arange(6.0).reshape(2, 3)
@@ -405,17 +439,17 @@ def test_the_finiteness_scan_reads_each_element_of_a_broadcast_view_once():
 
 _TSAN_SCRIPT = """
 import numpy as np
+from oracle import reference_attention
 from support import make_case, problem_of
 from cuonline.engines import cuda_backward
 from cuonline.engines.target import overrides
 rng = np.random.default_rng(5)
 q, k, v, _ = make_case(4, lq=150, lk=140, dtype=np.float16)
 dout = rng.standard_normal((2, 150, 24)).astype(np.float16)
-out = np.zeros_like(dout)
-lse = np.zeros((2, 150), dtype=np.float32)
 terms = dict(rel_q=rng.standard_normal((150, 4)), rel_k=rng.standard_normal((9, 4)),
              bias=rng.standard_normal((150, 140)))
 for options in ({{}}, terms):
+    out, lse = reference_attention(q, k, v, **options)       # the lse is checked
     with overrides(arch="sm_90", kernel_sources={sources!r},
                    emulate_options=dict(mode="threads", tsan=True)):
         g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)

@@ -268,3 +268,42 @@ def test_second_process_loads_from_cupy_disk_cache(tmp_path):
     first = run()
     assert first, "CuPy wrote nothing to its disk cache"
     assert run() == first, "the second process recompiled instead of loading the cache"
+
+
+# --------------------------------------------------------------------------------------------
+# per-call host work (issue 18 item 5)
+
+
+@needs_emulation
+def test_the_module_is_looked_up_before_its_text_is_built(monkeypatch):
+    # the ~100 KB text of a variant is built once per module, not on every call
+    from cuonline.engines import target as target_module
+    from cuonline.kernels import source
+    built = []
+    build = source.build_source
+    monkeypatch.setattr(source, "build_source",
+                        lambda spec, **kw: built.append(spec.key) or build(spec, **kw))
+    spec = families.listing_specs("sm_90")[0]
+    sources = {"common.cuh": (KERNELS / "common.cuh").read_text() + "\n// a variant\n"}
+    with target_module.overrides(kernel_sources=sources):
+        first = target_module.current("emulate").module(spec)
+        again = target_module.current("emulate").module(spec)
+    assert first is again and built == [spec.key]
+    with target_module.overrides(kernel_sources=dict(sources, **{"common.cuh": "// other\n"
+                                                                 + sources["common.cuh"]})):
+        assert target_module.current("emulate").module(spec) is not first   # another text
+    assert len(built) == 2
+
+
+@pytest.mark.parametrize("strides", [(0, 0), (64, 16), (48, 16), (8, 2), (0, 24), (-64, 16)])
+def test_cp_async_alignment_reads_the_batch_strides(strides):
+    # the rule on the batch strides (no offset table) agrees with every batch offset's
+    from cuonline.kernels import arguments
+    base = np.zeros(4096, dtype=np.float16)[256:]      # 512-byte aligned from the start
+    assert base.ctypes.data % 16 == 0
+    batch = (3, 2)
+    view = np.lib.stride_tricks.as_strided(
+        base, shape=batch + (2, 8), strides=tuple(2 * s for s in strides) + (32, 2))
+    offsets = (np.arange(3)[:, None] * strides[0] + np.arange(2)[None, :] * strides[1])
+    want = bool(np.all(offsets % 8 == 0))             # 8 float16 elements: 16 bytes
+    assert arguments.view_cp_async_aligned(view, batch) == want

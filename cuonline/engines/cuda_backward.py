@@ -14,7 +14,8 @@ Host work, all in a fixed order (no atomics, no reduction whose order depends on
 so two runs give bitwise identical gradients): ``Delta_i = rowsum(dO_i * O_i)`` in the
 accumulation dtype, the sums over broadcast dimensions, and the bias-type gradients reduced
 from the kernels' dS workspace (a bias to its shape, a block bias over its blocks, a relative
-bias over its diagonals).
+bias over its diagonals). The dQ kernel also sums each row's weights P; an ``lse`` under
+which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import dataclasses
 
 import numpy as np
 
+from .. import _lse_check
 from ..kernels import arguments, families, features, heuristics
 from ..kernels.specs import AttentionBwdMmaSpec
 from . import target as _target
 
-__all__ = ["attention_backward", "gradients"]
+__all__ = ["attention_backward", "gradients", "weighted_sums"]
 
 #: Gradient fields of the per-batch result and of Gradients -> the input each belongs to.
 _INPUTS = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias", "drel_bias": "rel_bias",
@@ -113,7 +115,8 @@ def _run(p, dout, out, lse, target):
     # places outside every query tile's key loop are never written: zero from the start
     ds = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_ds else None
     dc = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_dc else None
-    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, dc)
+    row_sums = xp.empty((nb, p.lq), dtype=acc)
+    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums)
 
     module = target.module(plan.spec)
     # the family's two entry points, dK/dV then dQ
@@ -122,12 +125,39 @@ def _run(p, dout, out, lse, target):
         if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
             kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
         kernel(grid, plan.block, args, shared_mem=plan.shared_bytes)
+    _check_lse(p, xp.reshape(row_sums, shape + (p.lq,)), xp.reshape(lse, shape + (p.lq,)))
 
     def full(x):
         return xp.reshape(x, shape + x.shape[1:])
 
     return _result(p, full(dq), full(dk), full(dv), None if ds is None else full(ds),
                    None if dc is None else full(dc))
+
+
+#: precision="tf32" rounds q and k to 10 mantissa bits where a family has tensor cores, and not
+#: where it falls back to SIMT: a logit's products may differ by TF32's epsilon (2**-10), not
+#: float32's (2**-23), between the forward's lse and this backward.
+_TF32_PRODUCTS = 2.0**13
+
+
+def _check_lse(p, row_sums, lse):
+    """Refuse an ``lse`` that does not belong to ``p`` (:func:`cuonline._lse_check
+    .check_row_sums`) from the dQ kernel's ``row_sums`` ``batch_shape + (lq,)``: its sums of
+    P, which are +inf on a row that sees a key under ``lse = -inf`` (P = exp(s + inf))."""
+    xp = p.xp
+    dead = lse == -np.inf
+    lengths = p.kv_lengths
+    rel = _has_rel_qk(p)
+    products = _lse_check.product_bound(xp, p.q, p.k, p.scale, kv_lengths=lengths,
+                                        rel_q=p.rel_q if rel else None,
+                                        rel_k=p.rel_k if rel else None)
+    if p.precision == "tf32":
+        products = products * _TF32_PRODUCTS
+    _lse_check.check_row_sums(
+        xp, xp.where(dead, 0, row_sums), lse, acc_dtype=p.acc_dtype,
+        n_keys=p.lk if lengths is None else xp.asarray(lengths)[..., None],
+        logit_terms=p.d + (p.dr if rel else 0), products=products,
+        sees_keys=dead & (row_sums != 0))
 
 
 def _distinct(x):
@@ -142,21 +172,19 @@ def _plan(p, dout, target, want_ds):
     finite (its mmas would carry a NaN or inf into rows that do not see it, where the SIMT
     family skips zero weights), else the SIMT family."""
     names = features.backward_of_problem(p)
-    family = families.backward_family(p.dtype, p.d, p.dv, names, target.arch, p.precision)
     if target.family == "attention_bwd_simt":      # tests pin a family (overrides(family=))
         return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
+    # the tensor-core family where its block fits the arch (not float64 with a wide
+    # rel_q/rel_k on a 99 KiB GPU), else the SIMT family plans it or says why not
+    family = families.backward_family(p.dtype, p.d, p.dv, names, target.arch, p.precision,
+                                      p.dr if "rel_qk" in names else 0)
     xp = p.xp
     if family.spec is AttentionBwdMmaSpec and all(
             bool(xp.isfinite(_distinct(x)).all()) for x in (p.q, p.k, p.v, dout)):
         cp_async = (arguments.cp_async_aligned(p)
                     and arguments.view_cp_async_aligned(dout, p.batch_shape))
-        try:
-            return heuristics.plan_bwd_mma(p, arch=target.arch, write_ds=want_ds,
-                                           cp_async=cp_async)
-        except ValueError:
-            # a block that does not fit the arch's shared memory (float64 with a wide
-            # rel_q/rel_k on a 99 KiB GPU): the SIMT family plans it, or says why not
-            pass
+        return heuristics.plan_bwd_mma(p, arch=target.arch, write_ds=want_ds,
+                                       cp_async=cp_async)
     return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
 
 
@@ -192,8 +220,10 @@ def _result(p, dq, dk, dv, ds, dc):
 def block_sums(xp, ds, block):
     """``ds`` ``(..., lq, lk)`` summed over blocks of ``block = (r, c)`` places: ``(...,
     ceil(lq / r), ceil(lk / c))`` (a block cut by the edge sums what it has)."""
-    r, c = block
     lq, lk = ds.shape[-2:]
+    # a block taller (wider) than the places is one block, as in the forward's arguments:
+    # clipped, the padding below stays under one block of the places' own size
+    r, c = min(block[0], max(lq, 1)), min(block[1], max(lk, 1))
     rows, cols = -(-lq // r), -(-lk // c)
     padded = xp.zeros(ds.shape[:-2] + (rows * r, cols * c), dtype=ds.dtype)
     padded[..., :lq, :lk] = ds
@@ -226,11 +256,38 @@ def relative_qk_sums(xp, dc, rel_q, rel_k, diagonal_offset, radius):
     n = skew.shape[-1]
     table = xp.broadcast_to(rel_k, batch + rel_k.shape[-2:]).astype(dc.dtype, copy=False)
     rows = xp.clip(xp.arange(n) + base, -radius, radius) + radius
-    drel_q = xp.matmul(skew, table[..., rows, :])        # (..., lq, Dr)
+    drel_q = weighted_sums(xp, skew, table[..., rows, :])        # (..., lq, Dr)
     queries = xp.broadcast_to(rel_q, batch + (lq, rel_q.shape[-1])).astype(dc.dtype, copy=False)
-    per_diagonal = xp.matmul(xp.swapaxes(skew, -1, -2), queries)   # (..., n, Dr)
+    per_diagonal = weighted_sums(xp, xp.swapaxes(skew, -1, -2), queries)   # (..., n, Dr)
     drel_k = _clip_merge(xp, xp.moveaxis(per_diagonal, -1, -2), base, radius)
     return drel_q, xp.moveaxis(drel_k, -1, -2)
+
+
+def weighted_sums(xp, w, x):
+    """``w @ x`` (``(..., m, n) @ (..., n, c)``) where a zero weight adds exactly 0, whatever
+    ``x`` holds there: the rows of a relative table that no visible place uses (weight 0) may
+    be NaN or inf, and a matrix product would make 0 * NaN = NaN of them (docs/semantics.md:
+    invisible places contribute exactly zero).
+
+    Finite ``x``: the product itself. Otherwise the product of the finite part, and each
+    non-finite entry added where a non-zero weight meets it: NaN, or an infinity of the sign
+    of weight times entry (both signs: NaN), counted by products of indicators.
+    """
+    bad = ~xp.isfinite(x)
+    if not bool(bad.any()):
+        return xp.matmul(w, x)
+    result = xp.matmul(w, xp.where(bad, 0, x))
+
+    def meets(weights, entries):   # how many non-zero weights meet such entries, per result
+        return xp.matmul(weights.astype(result.dtype), entries.astype(result.dtype)) > 0
+
+    positive, negative = w > 0, w < 0
+    plus, minus = x == np.inf, x == -np.inf
+    to_plus = meets(positive, plus) | meets(negative, minus)
+    to_minus = meets(positive, minus) | meets(negative, plus)
+    result = xp.where(meets(w != 0, xp.isnan(x)), np.nan, result)
+    result = xp.where(to_plus, result + np.inf, result)
+    return xp.where(to_minus, result - np.inf, result)       # with to_plus: inf - inf = NaN
 
 
 def _skew(xp, x, diagonal_offset):

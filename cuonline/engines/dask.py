@@ -35,8 +35,8 @@ from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
 from .softmax import stats as softmax_stats
 
-__all__ = ["SPLIT_EVERY", "attention", "attention_backward", "is_dask_call", "is_dask_merge",
-           "is_dask_softmax", "merge", "softmax"]
+__all__ = ["SPLIT_EVERY", "attention", "attention_backward", "attention_stats", "is_dask_call",
+           "is_dask_merge", "is_dask_softmax", "merge", "softmax"]
 
 #: Fan-in of the merge tree over key chunks. Fixed, so that the order of the floating-point
 #: merges (and hence the result, to the last bit) is a property of the chunking alone.
@@ -71,6 +71,17 @@ def _is_dask_array(x) -> bool:
     return type(x).__module__.startswith("dask.array")
 
 
+def _refuse_packed(options) -> None:
+    """Packed variable-length batches have no Dask graph yet: their chunks would have to
+    fall on sequence boundaries."""
+    given = [n for n in ("cu_seqlens_q", "cu_seqlens_k") if options.get(n) is not None]
+    if given:
+        raise ValueError(
+            f"Dask arrays do not yet take packed batches ({', '.join(given)} given): compute "
+            f"the arrays (NumPy) for a packed call, or split the batch with cuonline.unpack "
+            f"and build one Dask call per sequence")
+
+
 def is_dask_call(arguments) -> bool:
     """Whether any value of ``arguments`` (a call's bound arguments) is a Dask array."""
     return any(_is_dask_array(x) for x in arguments.values())
@@ -96,6 +107,7 @@ def attention(chunk_attention, /, q, k, v, **options):
     positions, and every other keyword goes to each task unchanged, except ``workers=None``,
     which becomes 1: Dask's workers are the parallelism, one BLAS thread per task.
     """
+    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 
@@ -145,6 +157,7 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
     of its input's shape and chunks, whatever library the input came in.
     """
+    _refuse_packed(options)
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
@@ -708,3 +721,237 @@ def _merge_blocks(*flat):
     xp = _validate.array_namespace(out=flat[0])
     native = [x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("=")) for x in flat]
     return merge_states(xp, native[0::2], native[1::2])
+
+
+# --------------------------------------------------------------------------------------------
+# attention_stats (issue 21)
+
+# the query weights of `received` follow the queries
+_LAYOUT["query_weights"] = ("q",)
+#: attention_stats' own keywords (the rest are the score options and backend, workers)
+_STATS_KEYWORDS = ("entropy", "received", "query_weights", "top_k", "rows")
+# the row statistics of AttentionStats, and whether each has a top_k axis
+_ROW_FIELDS = {"lse": False, "entropy": False, "max_weight": False, "argmax": False,
+               "top_indices": True, "top_weights": True}
+
+
+def attention_stats(stats_class, /, q, k, **options):
+    """``cuonline.attention_stats`` on Dask arrays: an ``AttentionStats`` (``stats_class``)
+    of Dask arrays, nothing computed.
+
+    The graph of :func:`attention` without values: a task per visible (query chunk, key
+    chunk) pair computes the row state of its chunks (:class:`.numpy_stats.RowState`: the
+    online-softmax state with the entropy's sum, the first key of the max and the best
+    ``top_k`` keys, its key indices moved to the whole call's), and the states of a query
+    chunk merge exactly, in key order, by a fixed tree; the merged state gives the row
+    statistics. ``received``: a task per visible pair adds ``w^T P`` of its queries with their
+    global ``lse``, summed per key chunk over the query chunks by a fixed tree. ``rows``
+    (a NumPy array or list) are computed per pair from ``lse`` and placed in the order given.
+    """
+    _refuse_packed(options)
+    import dask.array as da
+    from dask.task_spec import Task, TaskRef
+
+    own = {n: options.pop(n, None) for n in _STATS_KEYWORDS}
+    own["entropy"] = True if own["entropy"] is None else own["entropy"]
+    own["received"] = False if own["received"] is None else own["received"]
+    own["top_k"] = 0 if own["top_k"] is None else own["top_k"]
+    if _is_dask_array(own["rows"]):
+        raise TypeError("`rows` must be a NumPy array or a list with Dask inputs (its values "
+                        "shape the graph), got a Dask array; pass rows.compute()")
+    k = _as_dask(da, k)
+    arrays = {"q": q, "k": k, "v": k[..., :0]}   # the statistics read no values
+    p = _validate_on_stand_ins(dict(arrays), dict(options), _validate.validate_attention)
+    metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in (("q", q), ("k", k))}
+    if _validate.array_namespace(**metas) is not np:
+        raise ValueError("attention_stats runs on the NumPy engine only: the CUDA statistics "
+                         "kernels are not yet available; pass NumPy chunks "
+                         "(x.map_blocks(cupy.asnumpy))")
+    weights = own["query_weights"]
+    q_stand_in = _stand_in(q, "`q`", "q") if hasattr(q, "shape") else np.asarray(q)
+    sp = _validate.validate_attention_stats(
+        q_stand_in, _stand_in(k, "`k`", "k"), _options.Options(backend=options.get("backend",
+                                                                                   "auto")),
+        entropy=own["entropy"], received=own["received"], top_k=own["top_k"], rows=own["rows"],
+        query_weights=(_stand_in(weights, "`query_weights`", "query_weights")
+                       if _is_dask_array(weights) else weights))
+    if weights is not None:
+        arrays["query_weights"] = weights
+    plan = _plan(da, arrays, options, p, _chunk_row_state)
+    name = f"cuonline-attention-stats-{plan.token}"
+    batch_sizes = plan.batch_chunks
+    q_chunks, k_chunks = plan.axis_chunks["q"], plan.axis_chunks["k"]
+    k_bounds = _bounds(k_chunks)
+
+    def sizes(b):
+        return tuple(c[t] for c, t in zip(batch_sizes, b))
+
+    dsk, finished, lse_keys = {}, {}, {}
+    row_options = dict(entropy=sp.entropy, top_k=sp.top_k)
+    for b, iq, i0, i1, visible in plan.blocks:
+        parts = []
+        for jk, j0 in visible:
+            key = (f"{name}-rows", *b, iq, jk)
+            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
+            dsk[key] = Task(key, _chunk_row_state, per_task, row_options, j0, plan.names,
+                            *(TaskRef(r) for r in plan.reads(b, iq, jk)))
+            parts.append(key)
+        if not parts:
+            key = (f"{name}-rows", *b, iq, "empty")
+            dsk[key] = Task(key, _empty_row_state, math.prod(sizes(b)) * (i1 - i0), sp.top_k,
+                            p.acc_dtype, sp.entropy)
+            parts.append(key)
+        state = _reduce_tree(dsk, f"{name}-merge", b + (iq,), parts, _merge_row_states,
+                             Task, TaskRef)
+        key = (f"{name}-finish", *b, iq)
+        dsk[key] = Task(key, _finish_rows, TaskRef(state), sizes(b) + (i1 - i0,))
+        finished[b + (iq,)] = key
+        lse_keys[b, iq] = (f"{name}-lse-of", *b, iq)
+        dsk[lse_keys[b, iq]] = Task(lse_keys[b, iq], _take_field, TaskRef(key), "lse")
+
+    received_parts, row_parts = {}, {}
+    rows = None if sp.rows is None else np.asarray(sp.rows)
+    for b, iq, i0, i1, visible in plan.blocks:
+        local = None if rows is None else np.flatnonzero((rows >= i0) & (rows < i1))
+        for jk, j0 in visible:
+            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
+            reads = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            if sp.received:
+                key = (f"{name}-received-part", *b, iq, jk)
+                dsk[key] = Task(key, _chunk_received, per_task, j0, plan.names,
+                                TaskRef(lse_keys[b, iq]), *reads)
+                received_parts.setdefault(b + (jk,), []).append(key)
+            if local is not None and local.size:
+                key = (f"{name}-weights-part", *b, iq, jk)
+                dsk[key] = Task(key, _chunk_weights, per_task, j0, rows[local] - i0,
+                                plan.names, TaskRef(lse_keys[b, iq]), *reads)
+                row_parts.setdefault(b + (jk,), []).append((local, key))
+
+    graph_deps = list(plan.arrays.values())
+    from dask.highlevelgraph import HighLevelGraph
+
+    graph = HighLevelGraph.from_collections(f"{name}-state", dsk, dependencies=graph_deps)
+    batch_keys = list(itertools.product(*(range(len(c)) for c in batch_sizes)))
+    fields = {}
+    for field, has_k in _ROW_FIELDS.items():
+        if (field == "entropy" and not sp.entropy) or (has_k and not sp.top_k):
+            fields[field] = None
+            continue
+        dtype = np.int64 if field in ("argmax", "top_indices") else p.acc_dtype
+        out_name = f"{name}-{field}"
+        tail = (0,) if has_k else ()
+        layer = {(out_name, *i, *tail): Task((out_name, *i, *tail), _take_field, TaskRef(f),
+                                             field) for i, f in finished.items()}
+        chunks = tuple(batch_sizes) + (q_chunks,) + (((sp.top_k,),) if has_k else ())
+        fields[field] = da.Array(_with_layer(graph, out_name, layer, f"{name}-state"),
+                                 out_name, chunks=chunks,
+                                 meta=np.empty((0,) * len(chunks), dtype=dtype))
+    for field, parts_of, tail in (("received", received_parts, ()),
+                                  ("weights", row_parts, (0,))):
+        if (field == "received" and not sp.received) or (field == "weights" and rows is None):
+            fields[field] = None
+            continue
+        out_name, layer = f"{name}-{field}", {}
+        for b in batch_keys:
+            for jk in range(len(k_chunks)):
+                key = (out_name, *b, *tail, jk)
+                width = k_bounds[jk + 1] - k_bounds[jk]
+                parts = parts_of.get(b + (jk,), [])
+                if field == "received":
+                    shape = sizes(b) + (width,)
+                    if not parts:
+                        layer[key] = Task(key, np.zeros, shape, p.acc_dtype)
+                        continue
+                    total = _reduce_tree(dsk, f"{name}-received-sum", b + (jk,), parts,
+                                         _sum_arrays, Task, TaskRef)
+                    layer[key] = Task(key, _cast, TaskRef(total), p.acc_dtype)
+                else:
+                    shape = sizes(b) + (rows.size, width)
+                    layer[key] = Task(key, _place_rows, shape, p.acc_dtype,
+                                      [pos for pos, _ in parts],
+                                      *(TaskRef(r) for _, r in parts))
+        graph = HighLevelGraph.from_collections(f"{name}-state", dsk, dependencies=graph_deps)
+        chunks = tuple(batch_sizes) + (((rows.size,),) if tail else ()) + (k_chunks,)
+        fields[field] = da.Array(_with_layer(graph, out_name, layer, f"{name}-state"),
+                                 out_name, chunks=chunks,
+                                 meta=np.empty((0,) * len(chunks), dtype=p.acc_dtype))
+    return stats_class(**fields)
+
+
+def _stats_task_problem(options, j0, names, blocks, **stats):
+    """The StatsProblem of one (query chunk, key chunk) pair: its chunks, its positions, its
+    keys' share of ``kv_lengths``."""
+    from .._options import Options
+
+    arrays = dict(zip(names, blocks))
+    lengths = arrays.get("kv_lengths")
+    if lengths is not None:
+        lengths = np.asarray(lengths)
+        arrays["kv_lengths"] = np.where(lengths < 0, lengths, np.maximum(lengths - j0, 0))
+    q, k = arrays.pop("q"), arrays.pop("k")
+    arrays.pop("v")
+    weights = arrays.pop("query_weights", None)
+    if stats.get("received"):
+        stats["query_weights"] = weights
+    return _validate.validate_attention_stats(q, k, Options(**arrays, **options), **stats)
+
+
+def _chunk_row_state(options, row_options, j0, names, *blocks):
+    """One pair's RowState, its key indices those of the whole call."""
+    from . import numpy_stats
+
+    sp = _stats_task_problem(options, j0, names, blocks, **row_options)
+    return numpy_stats.row_state(sp).shifted(j0)
+
+
+def _chunk_received(options, j0, names, lse, *blocks):
+    """One pair's ``w^T P`` over its keys, with its queries' global ``lse``."""
+    from . import numpy_stats
+
+    sp = _stats_task_problem(options, j0, names, blocks, entropy=False, received=True)
+    p = sp.scores
+    return numpy_stats.received(p, lse, sp.query_weights, p.workers or 1)
+
+
+def _chunk_weights(options, j0, rows, names, lse, *blocks):
+    """The rows ``rows`` (local indices) of one pair's P."""
+    from . import numpy_stats
+
+    sp = _stats_task_problem(options, j0, names, blocks, entropy=False)
+    p = sp.scores
+    return numpy_stats.weights_of_rows(p, lse, np.asarray(rows, dtype=np.int64), p.workers or 1)
+
+
+def _empty_row_state(n, top_k, acc_dtype, entropy):
+    from .numpy_stats import RowState
+
+    return RowState(n, top_k, acc_dtype, entropy)
+
+
+def _merge_row_states(*states):
+    """Merge the states of one query chunk over consecutive key chunks, in key order."""
+    import copy
+
+    merged = copy.copy(states[0])              # the inputs stay as they are
+    for later in states[1:]:
+        merged.merge(later)
+    return merged
+
+
+def _finish_rows(state, shape):
+    from .numpy_stats import finished
+
+    return finished(state, shape)
+
+
+def _take_field(fields, name):
+    return fields[name]
+
+
+def _place_rows(shape, dtype, positions, *pieces):
+    """The block of the requested rows: each piece's rows at their positions, zeros where no
+    query chunk that holds the row sees these keys."""
+    out = np.zeros(shape, dtype=dtype)
+    for where, piece in zip(positions, pieces):
+        out[..., where, :] = piece
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
+import functools
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -75,13 +75,14 @@ class Target:
     min_segment: int = softmax_plan.MIN_SEGMENT
 
     def module(self, spec):
-        """The compiled module of ``spec`` (its text from :func:`source.build_source`)."""
-        text = source.build_source(spec, overrides=dict(self.kernel_sources or {}))
+        """The compiled module of ``spec``, looked up by the spec, the replaced kernel texts and
+        the emulation options before its text (:func:`source.build_source`, ~100 KB) is built:
+        the text is built once per module, not per call."""
+        sources = tuple(sorted((self.kernel_sources or {}).items()))
         if self.backend == "emulate":
-            from ..testing import emulate  # noqa: PLC0415 - g++ only when asked for
-
-            return emulate.compile_module(text, **dict(self.emulate_options or {}))
-        return _cupy_module(spec, text, custom=bool(self.kernel_sources))
+            return _emulated_module(spec, sources,
+                                    tuple(sorted((self.emulate_options or {}).items())))
+        return _cupy_modules()(spec, sources)
 
 
 _FIELDS = tuple(f.name for f in fields(Target) if f.name != "backend")
@@ -131,29 +132,46 @@ def _device_target(chosen) -> Target:
 
     from . import tuning_files  # noqa: PLC0415
 
-    device = cupy.cuda.Device()
-    arch = chosen.get("arch") or f"sm_{device.compute_capability}"
-    num_sms = chosen.get("num_sms") or int(device.attributes["MultiProcessorCount"])
+    arch, num_sms = _device_facts(cupy.cuda.Device().id)
+    arch = chosen.get("arch") or arch
+    num_sms = chosen.get("num_sms") or num_sms
     # forced tiles replace the stored winners: no file is read then
     tuned = {} if "tuned" in chosen else tuning_files.current_device_winners()
     return Target(backend="cupy", arch=arch, num_sms=num_sms, tuned=MappingProxyType(tuned))
 
 
-_modules = {}
-_modules_lock = threading.Lock()
+@functools.lru_cache(maxsize=None)
+def _device_facts(device_id):
+    """``(arch, SM count)`` of a CUDA device, read once per process (reading the attributes
+    is dozens of driver calls)."""
+    import cupy  # noqa: PLC0415
+
+    device = cupy.cuda.Device(device_id)
+    return f"sm_{device.compute_capability}", int(device.attributes["MultiProcessorCount"])
 
 
-def _cupy_module(spec, text, *, custom):
+@functools.lru_cache(maxsize=None)
+def _emulated_module(spec, sources, options):
+    """The emulated module of ``spec`` with the kernel texts ``sources`` (``(name, text)``
+    pairs) and the keywords ``options`` of :func:`cuonline.testing.emulate.compile_module`."""
+    from ..testing import emulate  # noqa: PLC0415 - g++ only when asked for
+
+    text = source.build_source(spec, overrides=dict(sources))
+    return emulate.compile_module(text, **dict(options))
+
+
+@functools.cache
+def _cupy_modules():
+    """``(spec, sources) -> cupy.RawModule``, memoized per device (``cupy.memoize``)."""
     import cupy  # noqa: PLC0415
 
     from ..toolchain import nvrtc  # noqa: PLC0415 - the options every compile of our text takes
 
-    key = (cupy.cuda.Device().id, spec.key, hash(text) if custom else None)
-    with _modules_lock:
-        module = _modules.get(key)
-        if module is None:
-            # Compiled lazily at the first get_function; no name_expressions, so CuPy's on-disk
-            # cache (keyed by the text and options) serves later processes.
-            module = cupy.RawModule(code=text, options=nvrtc.compile_options(verbose=False))
-            _modules[key] = module
+    @cupy.memoize(for_each_device=True)
+    def module(spec, sources):
+        # Compiled lazily at the first get_function; no name_expressions, so CuPy's on-disk
+        # cache (keyed by the text and options) serves later processes.
+        return cupy.RawModule(code=source.build_source(spec, overrides=dict(sources)),
+                              options=nvrtc.compile_options(verbose=False))
+
     return module

@@ -92,13 +92,18 @@ def view_cp_async_aligned(x, batch_shape) -> bool:
     shared by 16-byte cp.async (see :func:`cp_async_aligned`; the backward asks it of dout
     too)."""
     itemsize = x.dtype.itemsize
-    offsets = _element_offsets(x, batch_shape)
-    if offsets is None or x.strides[-1] != itemsize:
+    strides = x.strides
+    if any(s % itemsize for s in strides) or strides[-1] != itemsize:
         return False
     chunk = CP_ASYNC_BYTES // itemsize
-    if _data_address(x) % CP_ASYNC_BYTES or (x.strides[-2] // itemsize) % chunk:
+    if _data_address(x) % CP_ASYNC_BYTES or (strides[-2] // itemsize) % chunk:
         return False
-    return not (offsets.size and np.any(offsets % chunk))
+    # every batch offset (a sum of multiples of the batch strides) is a whole number of
+    # chunks iff the stride of each batch axis of more than one element is: no offset table
+    # is built here (the argument builder builds it once)
+    if 0 in batch_shape:
+        return True
+    return all((s // itemsize) % chunk == 0 for n, s in zip(batch_shape, strides) if n > 1)
 
 
 #: The kernels index the relative tables in 32 bits (row = radius + clipped delta <= 2 radius):
@@ -213,7 +218,8 @@ def softmax_arguments(xp, x, mask, out, plan, scale):
 #: and values (:func:`attention_fwd_arguments` builds them); the offset table gains a column.
 ATTENTION_BWD_SIGNATURE = (
     "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
-    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "offsets", "strides", "lq", "lk",
+    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "row_sums", "offsets", "strides",
+    "lq", "lk",
     "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
     "bias_block_cols", "rel_bias_radius", "rel_k_radius",
 )
@@ -226,7 +232,7 @@ class _NoSplit:
         self.split_keys = lk
 
 
-def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
+def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
@@ -234,7 +240,8 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
     ``batch_shape + (lq, dv)`` (any strides: addressed through the offset table's last
     column, after the forward's :data:`OPERANDS`); ``lse`` and ``delta`` contiguous
     ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds`` and
-    ``dc`` ``(nbatch, lq, lk)`` or None, all in the accumulation dtype.
+    ``dc`` ``(nbatch, lq, lk)`` or None, ``row_sums`` ``(nbatch, lq)`` (the dQ kernel's record
+    of each row's sum of P), all in the accumulation dtype.
     """
     xp = p.xp
     forward = dict(zip(ATTENTION_FWD_SIGNATURE,
@@ -249,5 +256,5 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc):
         xp.concatenate([forward["strides"], xp.reshape(xp.asarray(st, dtype=np.int64), (1, 2))],
                        axis=0))
     values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds, dc=dc,
-                  offsets=offsets, strides=strides)
+                  row_sums=row_sums, offsets=offsets, strides=strides)
     return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)

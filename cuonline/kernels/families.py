@@ -332,11 +332,13 @@ def select_forward(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> Fami
     return family
 
 
-def backward_family(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest") -> Family:
-    """The backward family for a backward of these parameters (options ``names``) on ``arch``:
-    the tensor-core one where :func:`cuonline.kernels.heuristics.bwd_uses_mma` says so, else
-    the SIMT one."""
-    return (ATTENTION_BWD_MMA if heuristics.bwd_uses_mma(dtype, d, dv, names, arch, precision)
+def backward_family(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest",
+                    dr=0) -> Family:
+    """The backward family for a backward of these parameters (options ``names``, rel_q/rel_k
+    of width ``dr``) on ``arch``: the tensor-core one where
+    :func:`cuonline.kernels.heuristics.bwd_uses_mma` says so, else the SIMT one."""
+    return (ATTENTION_BWD_MMA if heuristics.bwd_uses_mma(dtype, d, dv, names, arch, precision,
+                                                         dr)
             else ATTENTION_BWD_SIMT)
 
 

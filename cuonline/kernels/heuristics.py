@@ -555,13 +555,15 @@ def bwd_writes_ds(names) -> bool:
 # the attention backward on tensor cores: attention_bwd_mma
 
 
-def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest") -> bool:
+def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest",
+                 dr=0) -> bool:
     """Whether the tensor-core backward family runs a backward of these parameters on
     ``arch`` (else ``attention_bwd_simt``): sm_80 and newer, a dtype and head dims of
     :data:`~cuonline.kernels.specs.MMA_BWD_MAX_HEAD_DIM` (the forward's rule: 16-bit inputs
-    and float64 always, float32 only with ``precision="tf32"``), and options ``names`` among
-    :data:`~cuonline.kernels.features.MMA_BACKWARD_FEATURES`. The engine also keeps calls
-    whose inputs hold a non-finite value on the SIMT family (see attention_bwd_mma.cu)."""
+    and float64 always, float32 only with ``precision="tf32"``), options ``names`` among
+    :data:`~cuonline.kernels.features.MMA_BACKWARD_FEATURES`, and a block (with rel_q/rel_k
+    of width ``dr``) that fits the arch's shared memory. The engine also keeps calls whose
+    inputs hold a non-finite value on the SIMT family (see attention_bwd_mma.cu)."""
     from .specs import MMA_BWD_MAX_HEAD_DIM  # noqa: PLC0415 - the backward's own table
 
     if not mma_supported(arch):
@@ -571,7 +573,8 @@ def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest")
         return False
     limit = MMA_BWD_MAX_HEAD_DIM.get(name, 0)
     return (max(d, dv) <= limit
-            and all(n in features.MMA_BACKWARD_FEATURES for n in names))
+            and all(n in features.MMA_BACKWARD_FEATURES for n in names)
+            and _bwd_mma_block(name, d, dv, arch, dr)[2] <= mma_smem_limit(arch))
 
 
 def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
@@ -580,16 +583,7 @@ def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
     dK and dV of 16 keys take (D + Dv) / 2 accumulators per lane and the transposed scores and
     dP another block_c (float64: two registers per accumulator, so 32-row tiles, 16 above
     D = 32). ValueError where the block does not fit ``arch``."""
-    from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
-
-    warps = WARPS
-    if dtype_name(dtype) == "float64":
-        block_c = 32 if max(d, dv) <= 32 else 16
-    else:
-        block_c = 64 if max(d, dv) <= 64 else 32
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-    need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=warps,
-                               block_c=block_c, **rel).shared_bytes
+    warps, block_c, need = _bwd_mma_block(dtype, d, dv, arch, dr)
     limit = mma_smem_limit(arch)
     if need > limit:
         raise ValueError(
@@ -597,6 +591,21 @@ def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
             f"{f', Dr = {dr}' if dr else ''} needs {need} bytes of shared memory per block, "
             f"more than {arch}'s {limit}; use backend='numpy' or a narrower rel_q/rel_k")
     return warps, block_c
+
+
+def _bwd_mma_block(dtype, d, dv, arch, dr):
+    """``(warps, block_c, shared bytes)`` of the tensor-core backward's block (see
+    :func:`choose_bwd_mma_tiles`), whether or not it fits ``arch``."""
+    from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
+
+    if dtype_name(dtype) == "float64":
+        block_c = 32 if max(d, dv) <= 32 else 16
+    else:
+        block_c = 64 if max(d, dv) <= 64 else 32
+    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+    need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=WARPS,
+                               block_c=block_c, **rel).shared_bytes
+    return WARPS, block_c, need
 
 
 def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
@@ -607,10 +616,11 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
 
     dtype = dtype_name(problem.dtype)
     names = features.backward_of_problem(problem)
-    if not bwd_uses_mma(dtype, problem.d, problem.dv, names, arch, problem.precision):
-        raise ValueError(f"attention_bwd_mma does not run {dtype} D = {problem.d}, "
-                         f"Dv = {problem.dv} with {names} on {arch}")
     dr = problem.dr if "rel_qk" in names else 0
+    if not bwd_uses_mma(dtype, problem.d, problem.dv, names, arch, problem.precision, dr):
+        raise ValueError(f"attention_bwd_mma does not run {dtype} D = {problem.d}, "
+                         f"Dv = {problem.dv}{f', Dr = {dr}' if dr else ''} with {names} on "
+                         f"{arch}")
     warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr)
     if write_ds is None:
         write_ds = bwd_writes_ds(names)
