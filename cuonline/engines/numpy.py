@@ -52,7 +52,7 @@ def blocks(dtype):
             keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
 
 
-def _key_tile(rows, block_q, block_k):
+def key_tile(rows, block_q, block_k):
     """Keys per tile for a block of ``rows`` query rows: a multiple of ``block_k``."""
     wide = block_q * block_k // max(rows, 1) // block_k * block_k
     return min(max(block_k, wide), MAX_KEY_TILE)
@@ -67,7 +67,7 @@ def attention(p):
     n_workers = workers() if p.workers is None else p.workers
     out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
-    blocks = _plan(p)
+    blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
 
     def run(task):
@@ -92,7 +92,7 @@ def attention(p):
 # planning
 
 
-def _plan(p):
+def plan(p):
     """Map each ``(batch_index, i0, i1)`` query block to the key ranges it must visit.
 
     A block visits the keys that any of its rows may see (window and causal band, keys below
@@ -108,11 +108,8 @@ def _plan(p):
     splits = max(1, workers() // n_blocks) if n_blocks else 1
     plan = {}
     for b in np.ndindex(*p.batch_shape):
-        kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         for i0, i1 in q_blocks:
-            j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
-                                                  p.diagonal_offset)
-            j1 = max(j0, min(j1, kv_len))      # keys at or past kv_lengths are never read
+            j0, j1 = key_range(p, b, i0, i1)
             n_tiles = math.ceil((j1 - j0) / block_k)
             if splits == 1 or n_tiles < 2:
                 plan[b, i0, i1] = [(j0, j1)]
@@ -120,6 +117,14 @@ def _plan(p):
             step = math.ceil(n_tiles / min(splits, n_tiles)) * block_k
             plan[b, i0, i1] = [(a, min(a + step, j1)) for a in range(j0, j1, step)]
     return plan
+
+
+def key_range(p, b, i0, i1):
+    """Keys ``[j0, j1)`` that any of the queries ``[i0, i1)`` of batch element ``b`` may see:
+    the window and causal band, and never a key at or past ``kv_lengths``."""
+    j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window, p.diagonal_offset)
+    kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
+    return j0, max(j0, min(j1, kv_len))
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,7 +166,7 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
     l = np.zeros(n, dtype=acc_t)
     o = np.zeros((n, p.dv), dtype=acc_t)
     kernel = tile_kernel(acc_t)
-    width = _key_tile(n, *blocks(acc_t))
+    width = key_tile(n, *blocks(acc_t))
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
         # a tile the window band crosses (the diagonal tile of causal attention): both
