@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 __all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels",
-           "cache_sizes", "score_tile", "machine"]
+           "cache_sizes", "score_tile", "machine", "blas_libraries"]
 
 
 def workers() -> int:
@@ -365,13 +365,24 @@ def _numba_target():
     return f"{llvm.get_host_cpu_name()} ({', '.join(present) or 'no wide SIMD'})"
 
 
+def blas_libraries() -> list[str]:
+    """One line per BLAS library loaded (threadpoolctl): implementation, version, kernel set
+    (the CPU architecture it chose), threads and its file (which package's copy it is)."""
+    from threadpoolctl import threadpool_info
+
+    return [f"{lib.get('internal_api')} {lib.get('version')} "
+            f"({lib.get('architecture') or 'unknown'} kernels, {lib.get('num_threads')} "
+            f"threads; {_short_path(lib.get('filepath'))})"
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def _short_path(path):
+    """The file and its folder: which package's copy of a library it is (numpy.libs/...)."""
+    if not path:
+        return "unknown file"
+    return "/".join(path.replace("\\", "/").split("/")[-2:])
+
+
 def _blas_kernels():
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    libs = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')} kernels, "
-            f"{i.get('num_threads')} threads)" for i in threadpool_info()
-            if i["user_api"] == "blas"]
     pinned = os.environ.get("OPENBLAS_CORETYPE")
-    return "; ".join(libs) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")
+    return "; ".join(blas_libraries()) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")
