@@ -2,6 +2,7 @@
 
     python benchmarks/bench_backward.py                 # N 1024, 4096 x D 64, 128 x f32, f64
     python benchmarks/bench_backward.py --quick         # a tiny smoke run (CI)
+    python benchmarks/bench_backward.py --one-core      # per-core efficiency on a busy machine
 
 For every case (N, D, dtype) it times, on the same (B=1, H, N, D) arrays and the same output
 gradient, the backward pass alone (both sides hold the forward's results):
@@ -29,7 +30,7 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import best_seconds, blas_ceiling, print_machine
+from bench_cpu import best_seconds, blas_ceiling, print_machine, use_one_core
 
 import cuonline
 
@@ -65,16 +66,20 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--memory-length", type=int, default=16384)
+    parser.add_argument("--one-core", action="store_true",
+                        help="everything on one thread, timed as CPU time (bench_cpu.py's)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one repeat: checks that the script runs")
     args = parser.parse_args(argv)
+    workers = use_one_core() if args.one_core else None
     if args.quick:
         args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
         args.memory_length = 1024
 
     prepare = torch_backward()
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print_machine(f"backward, B=1 H={args.heads}", ceilings, prepare is not None)
+    print_machine(f"backward, B=1 H={args.heads}" + (", one core, CPU time" if args.one_core
+                                                      else ""), ceilings, prepare is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | cuonline | torch | torch backward"
               f"{' ' * 32} | cuonline/torch | cuonline/BLAS | torch/BLAS |")
     print(header)
@@ -88,7 +93,8 @@ def main(argv=None):
         out, lse = cuonline.attention(q, k, v, return_lse=True)
         gflop = 10 * args.heads * n * n * d / 1e9
         ours = gflop / best_seconds(
-            lambda: cuonline.attention_backward(dout, q, k, v, out, lse), args.repeat)
+            lambda: cuonline.attention_backward(dout, q, k, v, out, lse, workers=workers),
+            args.repeat)
         theirs, node = float("nan"), "-"
         if prepare is not None:
             run, node = prepare(q, k, v, dout)

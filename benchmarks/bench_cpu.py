@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu.py                      # the 16-case table of issue 11
     python benchmarks/bench_cpu.py --lengths 16384 --dims 64 --dtypes float32
     python benchmarks/bench_cpu.py --quick              # a tiny smoke run (CI)
+    python benchmarks/bench_cpu.py --one-core           # per-core efficiency on a busy machine
 
 For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays:
 
@@ -15,9 +16,12 @@ For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays
 
 Throughput counts 4 * Lq * Lk * D FLOPs per head, halved when causal. The BLAS ceiling (a
 2048 x 2048 matrix product per dtype, all cores) is measured in the same run and each engine's
-fraction of it printed. The summary gives the geometric mean and the worst of cuonline / torch.
-Finally cuonline alone at --memory-length reports its peak traced allocation beside the output
-size. Figures move with whatever else the machine does: compare ratios of one run.
+fraction of it printed. The preamble names the machine: CPU, load, the instruction sets numba
+and BLAS use (an ``OPENBLAS_CORETYPE`` that holds OpenBLAS to older kernels shows there), the
+caches and the tile shapes the engine takes from them. The summary gives the geometric mean
+and the worst of cuonline / torch. Finally cuonline alone at --memory-length reports its peak
+traced allocation beside the output size. Figures move with whatever else the machine does:
+compare ratios of one run.
 """
 
 from __future__ import annotations
@@ -69,39 +73,69 @@ def torch_sdpa():
 
 
 def print_machine(title, ceilings, with_torch):
-    """The first lines of a CPU benchmark's report: what ran (``title``), the cores, NumPy's and
-    torch's versions, the BLAS library and its measured ceiling per dtype (``ceilings``)."""
-    from cuonline.engines.numpy import workers
+    """The first lines of a CPU benchmark's report, so a figure says which machine it belongs
+    to: what ran (``title``), the CPU model and cores, the load average, the instruction sets
+    numba compiles the tile kernels for and the kernel set BLAS chose, the caches and the tile
+    shapes the engines take from them, NumPy's and torch's versions (torch's own vector
+    level), and BLAS's measured ceiling per dtype (``ceilings``)."""
+    from cuonline.engines import numpy as forward
+    from cuonline.engines import numpy_backward as backward
+    from cuonline.engines.cpu_runtime import machine
 
-    torch = (f"torch {__import__('torch').__version__}" if with_torch
-             else "torch not installed")
-    print(f"{title}; {workers()} cores; numpy {np.__version__}; {torch}")
-    print("BLAS: " + blas_description())
-    print("BLAS ceiling (2048^3 matmul, all cores): "
+    info = machine()
+    torch = "torch not installed"
+    if with_torch:
+        import torch as t
+
+        torch = f"torch {t.__version__} ({t.backends.cpu.get_cpu_capability()})"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{title}; CPU {info['cpu']}, {info['cores']} cores; load average {load}")
+    print("BLAS: " + info["blas"])
+    cores = "one core" if CLOCK is time.process_time else "all cores"
+    print(f"BLAS ceiling (2048^3 matmul, {cores}): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in ceilings.items()))
+    print(f"numpy {np.__version__}; {torch}; numba target {info['numba']}")
+    caches = info["caches"]
+    print("caches per core: " + ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items())
+          + "; tiles (rows x keys): " + ", ".join(
+              f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
+              f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
+
+
+# what best_seconds reads: wall time, or with --one-core this process's CPU time
+CLOCK = time.perf_counter
+_one_core_limits = None
+
+
+def use_one_core():
+    """--one-core: every engine on one thread (cuonline ``workers=1``, BLAS and torch held to
+    one thread) and times read as this process's CPU time, which other processes' load
+    inflates far less than wall time: the per-core efficiency, comparable on a busy machine.
+    Returns the ``workers`` to pass to cuonline."""
+    global CLOCK, _one_core_limits
+    from threadpoolctl import threadpool_limits
+
+    _one_core_limits = threadpool_limits(limits=1)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    CLOCK = time.process_time
+    return 1
 
 
 def best_seconds(fn, repeat):
-    """Best wall time of ``repeat`` runs after one warm-up."""
+    """Best time (wall, or CPU with --one-core) of ``repeat`` runs after one warm-up."""
     fn()
     best = float("inf")
     for _ in range(repeat):
         gc.collect()
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK() - start)
     return best
-
-
-def blas_description():
-    """Which BLAS library and kernel set NumPy runs, and OPENBLAS_CORETYPE if it is pinned
-    (a pinned core type can leave a newer CPU on older kernels: the ceiling moves with it)."""
-    from threadpoolctl import threadpool_info
-
-    libs = [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture', '?')}, "
-            f"{i.get('num_threads')} threads)" for i in threadpool_info() if i["user_api"] == "blas"]
-    pinned = os.environ.get("OPENBLAS_CORETYPE")
-    return "; ".join(libs) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")
 
 
 def blas_ceiling(dtype, repeat, n=2048):
@@ -127,9 +161,12 @@ def main(argv=None):
                         help="also: the softmax family beside scipy.special")
     parser.add_argument("--plot", metavar="SVG",
                         help="also: GFLOP/s against N (D 64, float32) for each engine, as SVG")
+    parser.add_argument("--one-core", action="store_true",
+                        help="everything on one thread, timed as CPU time (see use_one_core)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one repeat: checks that the script runs")
     args = parser.parse_args(argv)
+    workers = use_one_core() if args.one_core else None
     if args.quick:
         args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
         args.memory_length = 1024
@@ -141,7 +178,8 @@ def main(argv=None):
     torch_run, torch_path = torch_sdpa()
     causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print_machine(f"B=1 H={args.heads}", ceilings, torch_run is not None)
+    print_machine(f"B=1 H={args.heads}" + (", one core, CPU time" if args.one_core else ""),
+                  ceilings, torch_run is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "
               f"| naive | cuonline/torch | cuonline/BLAS |")
     print(header)
@@ -153,8 +191,8 @@ def main(argv=None):
                                               causal_cases):
         q, k, v = (rng.standard_normal((1, args.heads, n, d)).astype(dt) for _ in range(3))
         gflop = 4 * args.heads * n * n * d / (2 if causal else 1) / 1e9
-        ours = gflop / best_seconds(lambda: cuonline.attention(q, k, v, causal=causal),
-                                    args.repeat)
+        ours = gflop / best_seconds(
+            lambda: cuonline.attention(q, k, v, causal=causal, workers=workers), args.repeat)
         theirs, path = float("nan"), "-"
         if torch_run is not None:
             path = torch_path(q, k, v, causal)

@@ -12,8 +12,10 @@ from ._api import (attention, attention_backward, attention_stats, attention_vjp
                    logsumexp, merge, softmax)
 from ._gradients import Gradients
 from ._stats import AttentionStats
+from ._varlen import pack, unpack
 
 __all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp", "Gradients",
-           "AttentionStats", "merge", "softmax", "log_softmax", "logsumexp", "__version__"]
+           "AttentionStats", "merge", "pack", "unpack", "softmax", "log_softmax", "logsumexp",
+           "__version__"]
 
 __version__ = "0.1.0"

@@ -238,28 +238,13 @@ def _numba_status():
 
 
 def _blas_lines():
-    """One line per BLAS library loaded (threadpoolctl): implementation, version, kernel set
-    (the CPU architecture it chose) and threads."""
-    from threadpoolctl import threadpool_info
+    """One line per BLAS library loaded: implementation, version, kernel set, threads, file."""
+    from .engines.cpu_runtime import blas_libraries
 
-    libraries = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    libraries = blas_libraries()
     if not libraries:
         return {"blas": "none found by threadpoolctl"}
-    lines = {}
-    for n, lib in enumerate(libraries):
-        kernels = lib.get("architecture") or "unknown"
-        lines["blas" if n == 0 else f"blas {n + 1}"] = (
-            f"{lib.get('internal_api')} {lib.get('version')} ({kernels} kernels, "
-            f"{lib.get('num_threads')} threads; {_short_path(lib.get('filepath'))})")
-    return lines
-
-
-def _short_path(path):
-    """The file and its folder: which package's copy of a library it is (numpy.libs/...)."""
-    if not path:
-        return "unknown file"
-    parts = path.replace("\\", "/").split("/")
-    return "/".join(parts[-2:])
+    return {"blas" if n == 0 else f"blas {n + 1}": line for n, line in enumerate(libraries)}
 
 
 def _emulation_status():

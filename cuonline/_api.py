@@ -22,6 +22,8 @@ __all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp"
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
+#: packed variable-length batches (cu_seqlens): validation admits them on the NumPy engine only
+_VARLEN_ENGINE = "numpy_varlen"
 #: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
 Array = Any
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,8 +39,11 @@ def _adapts(*names: str) -> Callable[[F], F]:
     the results go back in the caller's library. NumPy, CuPy and Dask calls pass through."""
     def decorate(function: F) -> F:
         signature = inspect.signature(function)
+        # cu_seqlens are host integers read by the planner, of any library (NumPy with
+        # torch inputs included): validation brings them in, not the inputs' adapter
         array_names = names + tuple(n for n in _options.array_options()
-                                    if n in signature.parameters)
+                                    if n in signature.parameters
+                                    and n not in _validate.CU_SEQLENS)
 
         @functools.wraps(function)
         def adapted(*args: Any, **kwargs: Any) -> Any:
@@ -63,6 +68,7 @@ def attention(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Any:   # out, or (out, lse) with return_lse
@@ -142,6 +148,20 @@ def attention(
         depend on the query (Transformer-XL, Enformer, Borzoi), computed tile by tile, never as
         an ``Lq x Lk`` array. `scale` does not multiply this term (pass `rel_q` scaled, as
         Enformer scales ``q`` before both terms).
+    cu_seqlens_q, cu_seqlens_k : 1-D int arrays, optional
+        Given together: a packed batch of ``B`` sequences of different lengths, end to end
+        along the length axes (FlashAttention's varlen convention; :func:`pack` builds it).
+        Both have ``B + 1`` boundaries, 0 first, non-decreasing, ``Lq`` (``total_q``) and
+        ``Lk`` (``total_k``) last; sequence ``b`` owns queries ``cu_seqlens_q[b]:
+        cu_seqlens_q[b + 1]`` and keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and a query
+        sees only its own sequence's keys. Positions restart in each sequence (local
+        indices): the default `q_offset` is ``len_k - len_q`` per sequence, an explicit one
+        applies to every sequence; `causal`, `window`, `alibi_slopes`, `softcap`,
+        `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
+        sequence. Empty sequences on either side are allowed. Any integer dtype and array
+        library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
+        `mask`, `bias_block` or `kv_lengths`; NumPy engine only (docs/semantics.md, "Packed
+        variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -186,11 +206,16 @@ def attention(
         without `softcap`, `bias_block` without `bias` or with sizes below 1, a relative
         table of even length ``R``, `rel_q` without `rel_k` (or the reverse) or with another
         ``Dr``, an unknown `backend` or `precision`, ``precision="tf32"`` with
-        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``.
+        inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
+        `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
+        packed length, of different counts, one without the other; a non-integer one is a
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
+        ``"cupy"`` and ``"emulate"`` backends or Dask arrays (no varlen kernels yet).
 
     See Also
     --------
     merge : combine results computed on disjoint sets of keys.
+    pack, unpack : build and split packed batches for `cu_seqlens_q` and `cu_seqlens_k`.
 
     Notes
     -----
@@ -232,14 +257,30 @@ def attention(
     ...                        q_offset=20, k_offset=64, return_lse=True)
     >>> bool(np.allclose(cuonline.merge(a, b)[0], out, atol=1e-5))
     True
+
+    Sequences of different lengths packed end to end, each attending to itself only:
+
+    >>> x, cu = cuonline.pack([rng.standard_normal((4, n, 32)) for n in (300, 20, 170)])
+    >>> out = cuonline.attention(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    >>> alone = cuonline.attention(x[:, 300:320], x[:, 300:320], x[:, 300:320], causal=True)
+    >>> bool(np.allclose(out[:, 300:320], alone))
+    True
     """
     if _dask.is_dask_call(locals()):   # Dask arrays: a lazy graph of calls on the chunks
         return _dask.attention(attention, **locals())
     options = _options.from_call(locals())
     problem = _validate.validate_attention(q, k, v, options, return_lse=return_lse)
-    engine = importlib.import_module(f"cuonline.engines.{_ENGINES[problem.backend]}")
+    engine = importlib.import_module(f"cuonline.engines.{_engine(_ENGINES, problem)}")
     out, lse = engine.attention(problem)
     return (out, lse) if return_lse else out
+
+
+def _engine(engines: dict, problem: Any) -> str:
+    """The module under cuonline.engines that runs ``problem``, from ``engines`` (backend ->
+    module) or, for a packed variable-length batch, the varlen driver (which does both)."""
+    if problem.cu_seqlens_q is not None:
+        return _VARLEN_ENGINE
+    return engines[problem.backend]
 
 
 def _documents_score_options(function: F) -> F:
@@ -271,6 +312,7 @@ def attention_backward(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> Gradients:
@@ -307,6 +349,8 @@ def attention_backward(
         of their input as passed, None for a term not given. An input broadcast over some
         dimensions (a bias shared by every head, `k` and `v` shared by a group of query heads)
         gets the sum of the gradients over them, added in C order of the broadcast indices.
+        With `cu_seqlens_q`/`cu_seqlens_k` every gradient is packed like its input; the
+        tables `rel_bias` and `rel_k` get the sum over the sequences.
 
     Raises
     ------
@@ -372,7 +416,8 @@ def attention_backward(
         return _dask.attention_backward(attention_backward, **locals())
     options = _options.from_call(locals())
     bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, options)
-    engine = importlib.import_module(f"cuonline.engines.{_BACKWARD_ENGINES[bp.forward.backend]}")
+    engine = importlib.import_module(
+        f"cuonline.engines.{_engine(_BACKWARD_ENGINES, bp.forward)}")
     return engine.attention_backward(bp)
 
 
@@ -385,6 +430,7 @@ def attention_vjp(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     precision: str = "highest",
     backend: str = "auto", workers: int | None = None,
 ) -> tuple[Array, Callable[[Array | float], Gradients]]:
@@ -443,6 +489,7 @@ def attention_stats(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     entropy: bool = True, received: bool = False, query_weights: Array | None = None,
     top_k: int = 0, rows: Array | None = None,
     backend: str = "auto", workers: int | None = None,
@@ -464,6 +511,8 @@ def attention_stats(
     SCORE_OPTIONS
         As :func:`attention`: the statistics are those of the ``P`` that attention applies
         with these options.
+        `cu_seqlens_q` and `cu_seqlens_k` are not taken yet (a ValueError: split the
+        arrays with :func:`unpack` and call per sequence).
     entropy : bool, optional
         Compute the entropy of each row of ``P``. Default True.
     received : bool, optional

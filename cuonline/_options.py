@@ -64,6 +64,10 @@ class Options:
     rel_bias: Any = _array(("whole",), grad="drel_bias")
     rel_q: Any = _array(("q", "whole"), grad="drel_q")
     rel_k: Any = _array(("whole", "whole"), grad="drel_k")
+    # packed variable-length batches (FlashAttention's cu_seqlens): 1-D sequence boundaries,
+    # one chunk (the Dask engine refuses them)
+    cu_seqlens_q: Any = _array(("whole",))
+    cu_seqlens_k: Any = _array(("whole",))
     precision: Any = _option("engine", "highest")
     backend: Any = _option("engine", "auto")
     workers: Any = _option("engine")
@@ -111,5 +115,7 @@ def differentiable_options() -> dict[str, str]:
 
 def from_call(arguments: Mapping[str, Any]) -> Options:
     """The :class:`Options` among a public function's bound arguments (``locals()`` at its
-    top): every option is a keyword of the function, so each is taken from there."""
-    return Options(**{n: arguments[n] for n in _FIELDS})
+    top). An option the function does not take (a framework binding that does not offer it
+    yet) keeps its default; ``tests/test_options.py`` holds cuonline's own public functions
+    to the whole table."""
+    return Options(**{n: arguments[n] for n in _FIELDS if n in arguments})

@@ -15,6 +15,10 @@ Conventions
   visible from query ``i`` iff ``-left <= delta <= right``, i.e. ``d - left <= j <= d + right``
   with ``d = i + diag``. ``causal=True`` is the window ``(None, 0)``; both combine by
   intersection. ALiBi adds ``-slope * |delta|``.
+* Packed variable-length batches (``cu_seqlens_q``, ``cu_seqlens_k``): positions restart in
+  each sequence, so ``i`` and ``j`` are indices local to sequence ``b`` and its diagonal is
+  that of a call on the sequence alone (:func:`sequence_diagonals`): ``len_k - len_q`` by
+  default, ``q_offset - k_offset`` for explicit offsets, which apply to every sequence.
 * Scores are exponentiated with ``exp2`` after folding ``log2(e)`` into the scale.
 """
 
@@ -31,6 +35,7 @@ __all__ = [
     "accumulation_dtype",
     "diagonal_offset",
     "effective_window",
+    "sequence_diagonals",
     "visible_key_range",
 ]
 
@@ -97,3 +102,12 @@ def visible_key_range(i0: int, i1: int, lq: int, lk: int, window, diagonal=None)
     j0 = 0 if left is None else min(lk, max(0, i0 + off - left))
     j1 = lk if right is None else min(lk, i1 - 1 + off + right + 1)
     return (j0, max(j0, j1))
+
+
+def sequence_diagonals(cu_seqlens_q, cu_seqlens_k, q_offset=None, k_offset: int = 0) -> list:
+    """The :func:`diagonal_offset` of each sequence of a packed batch: the diagonal of a call
+    on sequence ``b`` alone, with lengths ``cu_seqlens_*[b + 1] - cu_seqlens_*[b]`` and the
+    same offsets (``q_offset=None``: ``len_k - len_q`` per sequence)."""
+    lengths_q = [int(b) - int(a) for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
+    lengths_k = [int(b) - int(a) for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+    return [diagonal_offset(lq, lk, q_offset, k_offset) for lq, lk in zip(lengths_q, lengths_k)]

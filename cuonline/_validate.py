@@ -23,6 +23,7 @@ from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
 
 __all__ = [
     "BACKENDS", "Problem", "SoftmaxProblem", "StatsProblem", "array_namespace", "check_backend",
+    "check_cu_seqlens", "CU_SEQLENS",
     "validate_attention", "validate_attention_stats", "validate_axis_input", "validate_merge",
 ]
 
@@ -79,6 +80,13 @@ class Problem:
     rel_bias: Any = None       # batch_shape + (Rb,), acc_dtype, Rb odd, or None
     rel_q: Any = None          # batch_shape + (lq, dr), acc_dtype, or None (with rel_k)
     rel_k: Any = None          # batch_shape + (Rk, dr), acc_dtype, Rk odd, or None
+    # packed variable-length batch: (B + 1,) int64 NumPy boundaries of the sequences along
+    # the query and key axes (lq, lk are the totals), or None; rel_q is packed like q
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    # per sequence: _semantics.diagonal_offset of a call on the sequence alone (a tuple of
+    # ints), or None without cu_seqlens
+    sequence_diagonals: tuple | None = None
 
     @property
     def nbatch(self) -> int:
@@ -418,8 +426,10 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     its keywords (tools and tests: ``validate_attention(q, k, v, causal=True)``), not both.
     """
     o = _options_of(options, keywords)
-    xp = array_namespace(q=q, k=k, v=v, **o.arrays())
+    arrays = {n: x for n, x in o.arrays().items() if n not in CU_SEQLENS}
+    xp = array_namespace(q=q, k=k, v=v, **arrays)
     backend = check_backend(o.backend, xp)
+    varlen = _check_varlen_options(o, backend)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -445,7 +455,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
             f"`v` must have as many rows as `k` (Lk = {lk}), got v.shape = {tuple(v.shape)}"
         )
     if xp is not np:
-        _check_same_device(q=q, k=k, v=v, **o.arrays())
+        _check_same_device(q=q, k=k, v=v, **arrays)
     try:
         batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     except ValueError:
@@ -477,7 +487,20 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     causal = _check_bool(o.causal, "causal")
     workers = _check_workers(o.workers)
     return_lse = _check_bool(return_lse, "return_lse")
+    # with cu_seqlens, a side that reaches past every key of the whole batch reaches past
+    # those of each sequence too (a sequence's bound is at most the batch's)
     window = _semantics.effective_window(causal, _check_window(o.window, lq, lk, diagonal))
+    cu_q = cu_k = diagonals = None
+    if varlen:
+        cu_q = check_cu_seqlens(o.cu_seqlens_q, "cu_seqlens_q", lq, "q.shape[-2]")
+        cu_k = check_cu_seqlens(o.cu_seqlens_k, "cu_seqlens_k", lk, "k.shape[-2]")
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(
+                f"`cu_seqlens_q` and `cu_seqlens_k` must have the same length B + 1 (one "
+                f"boundary more than sequences), got {cu_q.shape[0]} and {cu_k.shape[0]}")
+        diagonals = tuple(_semantics.sequence_diagonals(
+            cu_q, cu_k, _check_offset(o.q_offset, "q_offset", optional=True),
+            _check_offset(o.k_offset, "k_offset")))
 
     scores_shape = batch + (lq, lk)
     scores_name = "S + (Lq, Lk)"
@@ -542,7 +565,93 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
         bias=bias, mask=mask, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes,
         workers=workers, diagonal_offset=diagonal, softcap_bias=softcap_bias,
         bias_block=bias_block, rel_bias=rel_bias, rel_q=rel_q, rel_k=rel_k,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sequence_diagonals=diagonals,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# packed variable-length batches (issue 20)
+
+CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
+#: Options whose shapes span the padded (Lq, Lk) plane or the batch: no meaning across packed
+#: sequences.
+_NOT_WITH_VARLEN = ("bias", "mask", "bias_block", "kv_lengths")
+
+
+def _check_varlen_options(o: Options, backend: str) -> bool:
+    """Whether the call is a packed variable-length batch: ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` given together, without the options that have no meaning across
+    sequences, on an engine that runs it."""
+    given = [n for n in CU_SEQLENS if getattr(o, n) is not None]
+    if not given:
+        return False
+    if len(given) == 1:
+        missing = "cu_seqlens_k" if given[0] == "cu_seqlens_q" else "cu_seqlens_q"
+        raise ValueError(f"`{given[0]}` was given without `{missing}`: a packed batch needs "
+                         f"the boundaries of its sequences along both the query and key axes "
+                         f"(pass the same array twice for self-attention)")
+    for name in _NOT_WITH_VARLEN:
+        if getattr(o, name) is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with `cu_seqlens_q`/`cu_seqlens_k`: its shape "
+                f"spans the whole (Lq, Lk) plane or the batch, which has no meaning across "
+                f"packed sequences; got {name}={_describe(getattr(o, name))}. Use the "
+                f"per-sequence options (causal, window, alibi_slopes, rel_bias, rel_q/rel_k) "
+                f"or call without cu_seqlens on padded arrays")
+    if backend in _CUDA_BACKENDS:
+        raise ValueError(
+            f"packed variable-length batches (`cu_seqlens_q`, `cu_seqlens_k`) run on the "
+            f"NumPy engine only: the CUDA varlen kernels are not yet available "
+            f"(backend={backend!r}); pass NumPy arrays (cupy.asnumpy) with backend='auto' or "
+            f"'numpy'")
+    return True
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
+
+
+def check_cu_seqlens(value, name, total, total_name):
+    """``cu_seqlens_*``: a 1-D integer array of B + 1 boundaries, 0 first, non-decreasing,
+    ``total`` last, of any array library (its B + 1 integers are read on the host: the
+    engines plan there). Returned as int64 NumPy."""
+    lib = _arrays.library(value)
+    if lib == "dask":
+        raise TypeError(f"`{name}` must be a computed array (NumPy, a list of ints, ...), got "
+                        f"a Dask array; call .compute() on it first")
+    if lib not in (None, "numpy"):
+        value = _arrays.adapt({name: value})[0][name]    # torch, JAX, ...: NumPy or CuPy
+        if _arrays.library(value) == "cupy":
+            value = value.get()
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
+        raise TypeError(f"`{name}` must be a 1-D integer array, got "
+                        f"{type(value).__name__}: {exc}") from None
+    if arr.dtype.kind not in "iu":
+        kind = {"b": "boolean", "f": "floating", "c": "complex", "O": "object"}.get(
+            arr.dtype.kind, arr.dtype.name)
+        raise TypeError(f"`{name}` must be a 1-D integer array of sequence boundaries, got "
+                        f"{kind} dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"`{name}` must be 1-D with B + 1 >= 1 boundaries, got shape "
+                         f"{tuple(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) > total:
+        raise ValueError(f"`{name}` must end at {total_name} = {total}, got a boundary "
+                         f"{int(arr.max())}")
+    arr = arr.astype(np.int64)
+    if int(arr[0]) != 0:
+        raise ValueError(f"`{name}` must start at 0, got {int(arr[0])}")
+    steps = np.diff(arr)
+    if steps.size and int(steps.min()) < 0:
+        b = int(np.argmax(steps < 0))
+        raise ValueError(f"`{name}` must be non-decreasing (sequence lengths >= 0), got "
+                         f"{name}[{b + 1}] = {int(arr[b + 1])} < {name}[{b}] = {int(arr[b])}")
+    if int(arr[-1]) != total:
+        raise ValueError(f"`{name}` must end at {total_name} = {total} (the packed length), "
+                         f"got {int(arr[-1])}")
+    return arr
 
 
 def _check_cuda_limits(backend, batch, lq, lk, d, dv):
@@ -832,6 +941,11 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
     to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
     integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
     """
+    given = [n for n in CU_SEQLENS if getattr(options, n) is not None]
+    if given:
+        raise ValueError(
+            f"attention_stats does not yet take packed batches (got {', '.join(given)}): "
+            f"split the arrays with cuonline.unpack and call it per sequence")
     xp = array_namespace(q=q, k=k, query_weights=query_weights, rows=rows, **options.arrays())
     k_array = _as_array(xp, k, "k")
     # the statistics depend on the scores only: a zero-width v passes attention's checks of

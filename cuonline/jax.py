@@ -27,7 +27,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _arrays, _bindings, _options, _validate
+from . import _arrays, _bindings, _options, _validate, _varlen
 from ._api import attention as _cuonline_attention
 from .engines.merge import merge_states
 
@@ -204,6 +204,7 @@ def attention(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Array | None = None,
     rel_q: Array | None = None, rel_k: Array | None = None,
+    cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None, layout: str = "bhld",
 ) -> Array | tuple[Array, Array]:
@@ -218,7 +219,7 @@ def attention(
         (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) as ``jax.nn.dot_product_attention`` takes them.
         float16, bfloat16, float32, and float64 with ``jax_enable_x64`` (without it JAX turns
         float64 into float32 when the arrays are made, and cuonline computes in float32).
-    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, return_lse, precision, backend, workers
+    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are JAX values (traced or not);
         every other option must be a Python value known when the program is traced (it
         picks the kernel): a traced one is a TypeError.
@@ -256,6 +257,7 @@ def attention(
     ((2, 40, 16), dtype('float32'))
     """
     options = _options.from_call(locals())
+    _varlen.refuse_in_binding(options, "JAX")
     _bindings.check_static(options, "JAX", _is_traced)
     if _bindings.heads_after_length(layout, q, k, v):
         result: Any = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),

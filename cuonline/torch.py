@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _arrays, _bindings, _options
+from . import _arrays, _bindings, _options, _varlen
 from ._api import attention as _cuonline_attention
 
 __all__ = ["attention"]
@@ -146,6 +146,7 @@ def attention(
     q_offset: int | None = None, k_offset: int = 0,
     bias_block: int | tuple[int, int] | None = None, rel_bias: Tensor | None = None,
     rel_q: Tensor | None = None, rel_k: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
     return_lse: bool = False, precision: str = "highest",
     backend: str = "auto", workers: int | None = None, layout: str = "bhld",
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -159,7 +160,7 @@ def attention(
         take them; with ``layout="blhd"``, (B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) as
         FlashAttention takes them. float16, bfloat16, float32 or float64, on the CPU or a
         CUDA device.
-    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, return_lse, precision, backend, workers
+    scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are tensors on the device of `q`
         (Python lists and numbers are turned into tensors there).
     layout : {"bhld", "blhd"}, optional
@@ -192,6 +193,7 @@ def attention(
     torch.Size([2, 4, 50, 16])
     """
     options = _options.from_call(locals())
+    _varlen.refuse_in_binding(options, "torch")
     arrays = _tensors(q, options)
     swap = _bindings.heads_after_length(layout, q, k, v)
     if swap:                           # (batch, length, heads, dim): transposed views

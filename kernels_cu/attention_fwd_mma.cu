@@ -29,7 +29,7 @@
 //   CUONLINE_SPLIT                 feature flags, 0 or 1 (read by attention_score.cuh)
 //   CUONLINE_DR                    width of rel_q / rel_k (0 without rel_qk)
 //
-// Work decomposition (the arguments: CUONLINE_ATTENTION_PARAMS in attention_block.cuh)
+// Work decomposition (the arguments: CUONLINE_ATTENTION_PARAMS in attention_score.cuh)
 //   grid.x = nbatch * n_query_tiles, grid.z = key splits; block = kWarps warps.
 //   Every product is a sequence of 16x8 output tiles: a warp multiplies its 16 query rows by 8
 //   keys (scores) or 8 output columns (P·V). The accumulator of a 16x8 tile is 4 values per
@@ -129,8 +129,7 @@ __device__ __forceinline__ Acc mma_weight(Acc p) {
 // The same 64-bit value (a pointer or an integer), opaque to the compiler. After the key loop:
 // values loaded through an opaque pointer are loaded again rather than kept in registers
 // through the loop from the loads before it. Inside the slow path's key loop: an opaque step
-// keeps the compiler from hoisting one 64-bit offset per output column out of it (Dv = 256:
-// 64 registers, and spills).
+// keeps the compiler from hoisting one 64-bit offset per output column out of it (spills).
 template <class X>
 __device__ __forceinline__ X opaque(X x) {
     static_assert(sizeof(X) == 8, "a 64-bit value");
@@ -151,9 +150,7 @@ __device__ __forceinline__ bool all_finite(const Acc (&o)[kN]) {
 }  // namespace mma
 }  // namespace cuonline
 
-// "at least 1 block per SM": without it sm_90's ptxas capped some variants at 128 registers (4
-// blocks of 128 threads per SM) and spilled (f16, D = 64, kv_lengths); with it they take ~150
-// and 3 blocks fit. Whether the spill-free variant is also the faster one is for a GPU to say.
+// "at least 1 block per SM": ptxas's default target spilled (docs/kernels.md, "Launch bounds").
 extern "C" __global__ void __launch_bounds__(cuonline::mma::kThreads, 1)
 cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
 {

@@ -95,9 +95,8 @@ __device__ __forceinline__ bool load_kv_tile(Acc* sKV, const T* base, long long 
 }  // namespace fwd
 }  // namespace cuonline
 
-// At least one block per SM, not ptxas's default target: with NVRTC 13.5 that default capped
-// some variants at 96-128 registers and spilled (sm_70, sm_75, sm_80); two blocks of 128
-// threads (what choose_tiles plans for) fit an SM at any register count up to 255.
+// At least one block per SM, not ptxas's default target, which spilled (docs/kernels.md,
+// "Launch bounds"); the two blocks choose_tiles plans for fit at any register count.
 extern "C" __global__ void __launch_bounds__(cuonline::fwd::kThreads, 1)
 cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
 {

@@ -342,11 +342,9 @@ class ScorePipeline {
     // What the softmax sees of raw score qk at (i, j): its logit, or -inf where j is invisible
     // to i. Here `at` is row(i, j - dj) and `in_range` is in_range(i, j), or true inside a tile
     // that `covers` says is in range. The two overloads are the same function written as each
-    // family's code generation likes it best (sm_90, NVRTC 13): the tensor-core kernel's
-    // fragments as a select on `visible` (f16 D = 128 with a mask: 9.3 instructions per mma
-    // where an early return took 10.5), the SIMT kernel's scalar loop with an early return for
-    // a masked key (a `visible` bool there took a 32-bit register per score: +14 registers with
-    // every option).
+    // family's code generation likes it best: the tensor-core kernel's fragments as a select
+    // on `visible`, the SIMT kernel's scalar loop with an early return for a masked key
+    // (docs/kernels.md, "The score pipeline" gives the measurements).
     __device__ __forceinline__ Acc score(Acc qk, long long i, long long j, bool in_range,
                                          const Row& at, int dj, Acc rel = Acc(0)) const {
         bool visible = in_range;
@@ -383,7 +381,7 @@ class ScorePipeline {
   private:
     // Element (i, j) of operand op of this batch element. The offset table and the strides are
     // read where they are used (not held in members): ptxas then keeps or reloads them as it
-    // likes (SIMT f16 D = 64 with every option took 237 registers with members for them).
+    // likes (members for them cost registers: docs/kernels.md).
     __device__ __forceinline__ long long offset(int op, long long i, long long j) const {
         return off_[op] + i * strides_[2 * op] + j * strides_[2 * op + 1];
     }

@@ -50,9 +50,8 @@ constexpr bool kHasMask = CUONLINE_HAS_MASK != 0;
 static_assert(kMode == kSoftmax || kMode == kLogSoftmax || kMode == kLogSumExp,
               "CUONLINE_SOFTMAX_MODE: 0 softmax, 1 log_softmax, 2 logsumexp");
 
-// Block size limit. sm_90's ptxas (CUDA 13) held the float64 variants at 64 registers and
-// spilled under __launch_bounds__(512) and (1024); at 256 it does not spill. Eight warps per
-// row already give each lane only 32 values at 8192 columns.
+// Block size limit: larger bounds spilled the float64 variants (docs/kernels.md, "Launch
+// bounds"); eight warps per row already give each lane only 32 values at 8192 columns.
 constexpr int kMaxThreads = 256;
 constexpr int kMaxWarps = kMaxThreads / 32;
 // Values loaded per thread before one rescale: four independent loads in flight, and the
@@ -229,8 +228,7 @@ cuonline_softmax(CUONLINE_SOFTMAX_PARAMS) {
 // Long rows, first launch: the (m, l) of every segment of seg_len columns into `partial`
 // ((nrows, gridDim.y, 2)). The host sizes their grid to about two blocks per SM (see
 // cuda_softmax.py), so "1 block per SM" costs no occupancy it would use, and lets ptxas take
-// the registers: under the default bounds sm_90's ptxas held the float64 variants at 48-64
-// registers and spilled.
+// the registers it needs (the default bounds spilled: docs/kernels.md, "Launch bounds").
 extern "C" __global__ void __launch_bounds__(cuonline::smx::kMaxThreads, 1)
 cuonline_softmax_partial(CUONLINE_SOFTMAX_PARAMS, CUONLINE_ACC* __restrict__ partial,
                          long long seg_len) {

@@ -379,3 +379,60 @@ def reference_attention_stats(q, k, *, query_weights=None, top_k=0, rows=None, *
     return dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
                 received=received, top_indices=top_indices, top_weights=top_weights,
                 weights=weights)
+
+
+# --------------------------------------------------------------------------------------------
+# packed variable-length batches (issue 20): the dense reference, one sequence at a time
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, options):
+    """``(rows of queries, rows of keys, options)`` of each sequence with queries: the
+    options with ``rel_q`` cut to the sequence's rows (it is packed like ``q``)."""
+    cq, ck = [int(c) for c in cu_seqlens_q], [int(c) for c in cu_seqlens_k]
+    for b in range(len(cq) - 1):
+        if cq[b + 1] == cq[b]:
+            continue
+        here = dict(options)
+        if options.get("rel_q") is not None:
+            here["rel_q"] = np.asarray(options["rel_q"])[..., cq[b]:cq[b + 1], :]
+        yield slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]), here
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    """``(out, lse)`` of a packed batch in float64: :func:`reference_attention` on each
+    sequence alone (its rows of ``q``, ``k``, ``v`` and, packed like ``q``, ``rel_q``), written
+    into the packed layout; a query of a sequence without keys gets 0 and ``-inf``."""
+    batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
+    out = np.zeros(batch + (np.shape(q)[-2], np.shape(v)[-1]))
+    lse = np.full(batch + (np.shape(q)[-2],), -np.inf)
+    for sq, sk, here in _sequences(cu_seqlens_q, cu_seqlens_k, options):
+        o, s = reference_attention(np.asarray(q)[..., sq, :], np.asarray(k)[..., sk, :],
+                                   np.asarray(v)[..., sk, :], **here)
+        out[..., sq, :] = o
+        lse[..., sq] = s
+    return out, lse
+
+
+def reference_varlen_attention_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    """Gradients of a packed batch in float64, as :func:`reference_attention_backward`'s
+    dict: each sequence's gradients from the reference on that sequence alone, placed at its
+    rows (``dq``, ``dk``, ``dv``, ``drel_q``) or summed over the sequences (the shared tables
+    ``drel_bias``, ``drel_k``); keys of a sequence without queries get zeros."""
+    shapes = {"dq": np.shape(q), "dk": np.shape(k), "dv": np.shape(v)}
+    for name in ("rel_bias", "rel_q", "rel_k"):
+        if options.get(name) is not None:
+            shapes["d" + name] = np.shape(options[name])
+    grads = {name: np.zeros(shape) for name, shape in shapes.items()}
+    for sq, sk, here in _sequences(cu_seqlens_q, cu_seqlens_k, options):
+        g = reference_attention_backward(
+            np.asarray(dout)[..., sq, :], np.asarray(q)[..., sq, :], np.asarray(k)[..., sk, :],
+            np.asarray(v)[..., sk, :], **here)
+        grads["dq"][..., sq, :] = g["dq"]
+        grads["dk"][..., sk, :] = g["dk"]
+        grads["dv"][..., sk, :] = g["dv"]
+        if "drel_q" in grads:
+            grads["drel_q"][..., sq, :] = g["drel_q"]
+        for name in ("drel_bias", "drel_k"):
+            if name in grads:
+                grads[name] += g[name]
+    return grads

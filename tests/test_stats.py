@@ -16,6 +16,7 @@ import pytest
 from oracle import reference_attention_stats
 
 import cuonline
+from cuonline.engines import numpy as numpy_engine
 from cuonline.engines import numpy_stats
 
 FIELDS = ("lse", "entropy", "max_weight", "argmax", "received", "top_indices", "top_weights",
@@ -28,10 +29,11 @@ def tiles(request, monkeypatch):
     and key tiles: one task walks them (RowState.update), or, with many cores, the key ranges
     are split into parts merged by RowState.merge."""
     if request.param != "engine tiles":
-        monkeypatch.setattr(numpy_stats, "BLOCK_Q", 8)
-        monkeypatch.setattr(numpy_stats, "BLOCK_K", 16)
-        monkeypatch.setattr(numpy_stats, "MAX_KEY_TILE", 16)
+        monkeypatch.setattr(numpy_engine, "BLOCK_Q", 8)
+        monkeypatch.setattr(numpy_engine, "BLOCK_K", 16)
+        monkeypatch.setattr(numpy_engine, "MAX_KEY_TILE", 16)
         cores = 16 if "split" in request.param else 1
+        monkeypatch.setattr(numpy_engine, "workers", lambda: cores)   # the plan's split
         monkeypatch.setattr(numpy_stats, "workers", lambda: cores)
     return request.param
 

@@ -280,3 +280,255 @@ def test_softmax_rows_match_the_ufunc_passes(name, dtype, rng, monkeypatch):
         assert (got[0, 0] == 0).all()
     else:
         assert (got[0, 0] == -np.inf).all()
+
+
+# --------------------------------------------------------------------------------------------
+# tile shapes from the machine's caches
+
+
+@pytest.mark.parametrize("l2", [256 << 10, 512 << 10, 1 << 20, 1280 << 10, 2 << 20, 32 << 20])
+@pytest.mark.parametrize("itemsize", [4, 8])
+@pytest.mark.parametrize("live", [1, 2])
+def test_score_tile_fills_the_l2_and_no_more(l2, itemsize, live):
+    rows, keys = cpu_runtime.score_tile(l2, itemsize, live)
+    assert rows in (64, 128, 256, 512) and keys in (128, 256, 512, 1024)
+    assert rows * keys * itemsize * live <= l2            # the live tiles stay in L2
+    # and no larger tile of the same family would: rows first (up to 512), then keys
+    if keys < 1024:
+        assert rows * keys * 2 * itemsize * live > l2 or rows == 64
+
+
+def test_score_tile_on_a_1_mib_l2():
+    """The shapes measured on a 1 MiB-L2 core (docs/performance.md)."""
+    assert cpu_runtime.score_tile(1 << 20, 4, 1) == (512, 512)      # forward float32
+    assert cpu_runtime.score_tile(1 << 20, 8, 1) == (512, 256)      # forward float64
+    assert cpu_runtime.score_tile(1 << 20, 4, 2) == (512, 256)      # backward float32
+    assert cpu_runtime.score_tile(1 << 20, 8, 2) == (256, 256)      # backward float64
+
+
+def test_cache_sizes_are_what_linux_reports():
+    caches = cpu_runtime.cache_sizes()
+    assert 0 < caches["L1d"] <= caches["L2"] <= caches["L3"]
+    index2 = "/sys/devices/system/cpu/cpu0/cache/index2"
+    if not os.path.exists(index2):
+        pytest.skip("no cache information in /sys here")
+    with open(os.path.join(index2, "size")) as f:
+        text = f.read().strip()
+    units = {"K": 1024, "M": 1024 ** 2}
+    size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    with open(os.path.join(index2, "level")) as f:
+        assert f.read().strip() == "2"
+    assert caches["L2"] == size
+
+
+def test_block_constants_are_the_float32_tiles():
+    """Other engines (the statistics) read BLOCK_Q and BLOCK_K as ints."""
+    from cuonline.engines import numpy_backward
+
+    for module in (numpy_engine, numpy_backward):
+        assert isinstance(module.BLOCK_Q, int) and isinstance(module.BLOCK_K, int)
+        assert module.blocks(np.float32) == (module.BLOCK_Q, module.BLOCK_K)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_engines_take_their_tiles_from_the_l2(dtype, monkeypatch, rng):
+    from cuonline.engines import numpy_backward
+
+    small = {"L1d": 32 << 10, "L2": 256 << 10, "L3": 8 << 20}
+    for module in (numpy_engine, numpy_backward):
+        monkeypatch.setattr(module, "cache_sizes", lambda: dict(small))
+    size = np.dtype(dtype).itemsize
+    assert numpy_engine.blocks(dtype) == cpu_runtime.score_tile(256 << 10, size, 1)
+    assert numpy_backward.blocks(dtype) == cpu_runtime.score_tile(256 << 10, size, 2)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)        # a fixed shape wins
+    assert numpy_engine.blocks(dtype)[1] == 32
+    # the results on this shape are the oracle's (several query blocks and key tiles)
+    q, k, v = (rng.standard_normal((2, 300, 16)).astype(dtype) for _ in range(3))
+    out = cuonline.attention(q, k, v, causal=True)
+    s = np.einsum("bqd,bkd->bqk", q.astype(np.float64), k.astype(np.float64)) / 4
+    s[:, np.triu(np.ones((300, 300), bool), 1)] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bqk,bkd->bqd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_finite_tiles_take_the_plain_product(monkeypatch, rng):
+    """The per-tile path for non-finite values runs only when one got into the output."""
+    calls = []
+    careful = numpy_engine.visible_product
+
+    def counted(a, b, visible):
+        calls.append(a.shape)
+        return careful(a, b, visible)
+
+    monkeypatch.setattr(numpy_engine, "visible_product", counted)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 32)
+    q, k, v = (rng.standard_normal((1, 100, 8)) for _ in range(3))
+    cuonline.attention(q, k, v, causal=True)
+    assert calls == []
+    v[0, 70] = np.nan                                      # seen by rows 70.. only
+    out = cuonline.attention(q, k, v, causal=True)
+    assert calls                                           # the careful pass ran
+    assert np.isfinite(out[0, :70]).all() and np.isnan(out[0, 70:]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# the backward tile
+
+
+def backward_case(dtype, rng, n=9, k=70):
+    s = (rng.standard_normal((n, k)) * 4).astype(dtype)
+    s[1, :30] = -np.inf                                  # masked keys
+    lse = (np.log(np.exp(s.astype(np.float64)).sum(1)) + 0.25).astype(dtype)   # >= row max
+    lse[2] = np.inf                                      # a row that sees nothing
+    dp = rng.standard_normal((n, k)).astype(dtype)
+    delta = rng.standard_normal(n).astype(dtype)
+    return s, lse, dp, delta
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_matches_the_ufunc_passes(dtype, rng):
+    s, lse, dp, delta = backward_case(dtype, rng)
+    p, ds, sums = s.copy(), dp.copy(), np.empty(len(s), dtype)
+    assert tk.backward_tile(p, lse, ds, delta, sums) == 1
+    want_p = np.exp(s - lse[:, None])
+    want_ds = want_p * (dp - delta[:, None])
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(p, want_p, rtol=4 * eps, atol=0)
+    np.testing.assert_allclose(ds, want_ds, rtol=8 * eps, atol=np.finfo(dtype).tiny)
+    np.testing.assert_allclose(sums, want_p.sum(1), rtol=8 * eps)
+    assert (p[1, :30] == 0).all() and (p[2] == 0).all() and (ds[2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_leaves_rows_above_their_lse_to_the_caller(dtype, rng):
+    """exp of a positive argument is outside the kernel's exponential: nothing is written."""
+    s, lse, dp, delta = backward_case(dtype, rng)
+    for bad in (s.max(1)[4] - 1, np.nan):
+        lse_bad = lse.copy()
+        lse_bad[4] = bad
+        p, ds = s.copy(), dp.copy()
+        assert tk.backward_tile(p, lse_bad, ds, delta, np.empty(len(s), dtype)) == 0
+        np.testing.assert_array_equal(p, s)
+        np.testing.assert_array_equal(ds, dp)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_tile_reports_a_non_finite_gradient(dtype, rng):
+    s, lse, dp, delta = backward_case(dtype, rng)
+    dp[1, 3] = np.nan                                      # behind the mask: 0 * NaN
+    assert tk.backward_tile(s.copy(), lse, dp.copy(), delta, np.empty(len(s), dtype)) == 2
+    dp[1, 3] = 0
+    dp[5, 7] = np.inf
+    assert tk.backward_tile(s.copy(), lse, dp.copy(), delta, np.empty(len(s), dtype)) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"softcap": 2.0}],
+                         ids=["plain", "causal", "softcap"])
+def test_backward_with_and_without_the_kernel_agree(dtype, options, rng, monkeypatch):
+    q, k, v = (rng.standard_normal((2, 300, 16)).astype(dtype) for _ in range(3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    monkeypatch.setattr(cpu_runtime, "use_compiled_kernels", False)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    tol = 200 * np.finfo(dtype).eps
+    for g, w in zip((got.dq, got.dk, got.dv), (want.dq, want.dk, want.dv)):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+
+
+def spans_of_crossed_tiles(engine, monkeypatch):
+    """64 x 64 tiles and groups of 16 rows in ``engine``; returns the list that receives what
+    every ``ScorePipeline.row_spans`` call returns."""
+    from cuonline.engines.numpy_scores import ScorePipeline
+
+    monkeypatch.setattr(engine, "BLOCK_Q", 64)
+    monkeypatch.setattr(engine, "BLOCK_K", 64)
+    monkeypatch.setattr(engine, "SPAN_ROWS", 16)
+    spans = []
+    real = ScorePipeline.row_spans
+
+    def recorded(self, *args):
+        out = real(self, *args)
+        spans.append(out)
+        return out
+
+    monkeypatch.setattr(ScorePipeline, "row_spans", recorded)
+    return spans
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)},
+                                     {"causal": True, "q_offset": 50}],
+                         ids=["causal", "window", "offset"])
+def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
+    """Tiles the window band crosses multiply each group of rows by the keys it may see
+    only; the result is the whole-tile products' (up to the order of P·V's sums)."""
+    spans = spans_of_crossed_tiles(numpy_engine, monkeypatch)
+    q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
+    got = cuonline.attention(q, k, v, **options)
+    used = [s for s in spans if s is not None]
+    assert used                                           # some tile took the spans
+    assert all(c0 <= c1 for s in used for _, _, c0, c1 in s)
+    assert any(c1 - c0 < 64 for s in used for _, _, c0, c1 in s)
+    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 10**9)  # one product per tile
+    np.testing.assert_allclose(got, cuonline.attention(q, k, v, **options), rtol=1e-13,
+                               atol=1e-13)
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)}],
+                         ids=["causal", "window"])
+def test_backward_products_over_the_visible_columns_only(options, rng, monkeypatch):
+    """The backward's five products over the spans of a crossed tile: the whole-tile
+    products' gradients (up to the order of sums), and the same bits for every workers and
+    every plan (one task per group, or key-block and query-block tasks)."""
+    from cuonline.engines import numpy_backward
+
+    spans = spans_of_crossed_tiles(numpy_backward, monkeypatch)
+    q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    runs = {}
+    for cores, workers in ((1, 1), (1, 2), (64, 2)):
+        monkeypatch.setattr(numpy_backward, "workers", lambda cores=cores: cores)
+        runs[cores, workers] = cuonline.attention_backward(dout, q, k, v, out, lse,
+                                                           workers=workers, **options)
+    assert any(s is not None for s in spans)
+    first = runs[1, 1]
+    for other in runs.values():
+        for name in ("dq", "dk", "dv"):
+            assert getattr(first, name).tobytes() == getattr(other, name).tobytes(), name
+    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 10**9)
+    whole = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(first, name), getattr(whole, name), rtol=1e-12,
+                                   atol=1e-12)
+
+
+def test_machine_names_what_a_figure_depends_on():
+    import llvmlite.binding as llvm
+    from threadpoolctl import threadpool_info
+
+    info = cpu_runtime.machine()
+    assert info["cpu"] and info["cores"] == cpu_runtime.workers()
+    assert info["numba"].startswith(llvm.get_host_cpu_name())
+    assert info["caches"] == cpu_runtime.cache_sizes()
+    for lib in threadpool_info():
+        if lib["user_api"] == "blas":
+            assert f"({lib.get('architecture', '?')} kernels" in info["blas"]
+
+
+def test_benchmark_preamble_prints_the_machine(monkeypatch, capsys):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import bench_cpu
+
+    bench_cpu.print_machine("test", {"float32": 1.0, "float64": 2.0}, with_torch=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert "CPU " in lines[0] and "load average" in lines[0]
+    assert lines[1].startswith("BLAS: ") and lines[2].startswith("BLAS ceiling")
+    assert "numba target" in lines[3]
+    rows, keys = numpy_engine.blocks(np.float32)
+    assert lines[4].startswith("caches per core: L1d")
+    assert f"float32 forward {rows}x{keys}" in lines[4]

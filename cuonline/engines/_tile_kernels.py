@@ -3,7 +3,8 @@
 The NumPy engine spends as long on the passes over each score tile (row max, subtract, exp,
 row sum: one full pass each) as on its two matrix products. :func:`online_softmax_tile` does all
 of them in two sweeps over each row while the row is in L1: one for the max, one that writes
-``exp(s - m)`` in place and sums it. The matrix products stay in BLAS.
+``exp(s - m)`` in place and sums it; :func:`backward_tile` does the backward's ``P`` and ``dS``
+in one sweep after a check of the row max. The matrix products stay in BLAS.
 
 ``math.exp`` compiles to a scalar libm call per element (LLVM vectorizes it only with Intel's
 SVML), which is slower than NumPy's ufunc, so the exponential is written here in arithmetic that
@@ -278,6 +279,58 @@ engine's ufunc passes up to the rounding of the exponential (about 1 ulp) and of
 """
 
 
+def _backward_tile(s, lse, ds, delta, row_sums):
+    n, k = s.shape
+    zero = s.dtype.type(0)
+    # every argument of the exponential must be <= 0 (the kernel's exp covers no more): a
+    # row whose max exceeds its lse, or is NaN, leaves the tile to the caller's ufunc passes
+    for i in range(n):
+        if not _row_max(s[i]) <= lse[i]:
+            return 0
+    check = zero
+    for i in range(n):
+        row, grad = s[i], ds[i]
+        shift, d = lse[i], delta[i]
+        total = zero
+        for j in range(k):
+            y = exp_nonpositive(row[j] - shift)
+            row[j] = y
+            total += y
+            g = y * (grad[j] - d)
+            grad[j] = g
+            check += g * zero                   # NaN once any g is NaN or infinite
+        row_sums[i] = total
+    return 1 if check == zero else 2
+
+
+backward_tile = _jit(_backward_tile)
+backward_tile.__doc__ = """The element-wise part of one backward tile, in place, in one sweep.
+
+Parameters
+----------
+s : (n, k) array, float32 or float64
+    Logits of ``n`` query rows against ``k`` keys (``-inf`` where masked); overwritten with
+    ``P = exp(s - lse)``.
+lse : (n,) array of the dtype of ``s``
+    Each row's log-sum-exp (``+inf`` for a row that sees nothing: its P is 0).
+ds : (n, k) array of the dtype of ``s``
+    ``dP = dO V^T`` of the tile; overwritten with ``dS = P * (dP - delta)``.
+delta, row_sums : (n,) arrays of the dtype of ``s``
+    ``Delta_i = dO_i . O_i``; ``row_sums`` receives each row's sum of P.
+
+Returns
+-------
+int
+    1: done, every ``dS`` finite. 2: done, some ``dS`` NaN or infinite (the caller clears
+    the places no row sees). 0: nothing written, since a row's max exceeds its ``lse`` or is
+    NaN (the caller runs its ufunc passes).
+
+Notes
+-----
+``exp`` within 1 ulp (the forward kernel's); the sums in the vectorised order.
+"""
+
+
 @numba.njit(fastmath=_FLAGS)
 def _divide(row, scale):
     for j in range(row.shape[0]):
@@ -332,6 +385,11 @@ def _warm_up_tile(dtype):
     online_softmax_tile(s, m, l, np.zeros((2, 1), dtype), lo, hi)
 
 
+def _warm_up_backward(dtype):
+    s, ds = np.zeros((2, 3), dtype), np.zeros((2, 3), dtype)
+    backward_tile(s, np.zeros(2, dtype), ds, np.zeros(2, dtype), np.zeros(2, dtype))
+
+
 def _warm_up_rows(dtype):
     x = np.zeros((2, 3), dtype)
     softmax_rows(x, np.empty_like(x), 0)
@@ -340,6 +398,7 @@ def _warm_up_rows(dtype):
 
 
 _WARM_UP = {"online_softmax_tile": (online_softmax_tile, _warm_up_tile),
+            "backward_tile": (backward_tile, _warm_up_backward),
             "softmax_rows": (softmax_rows, _warm_up_rows)}
 
 

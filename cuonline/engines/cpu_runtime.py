@@ -8,7 +8,11 @@ softmax family (:mod:`.softmax`); nothing here knows what a task computes.
   thread meanwhile, results independent of the thread count;
 * :func:`tile_kernel`: a compiled kernel of :mod:`._tile_kernels` (numba), or None where it
   is unavailable (the engines then run their ufunc passes); ``use_compiled_kernels = False``
-  forces the ufunc passes and ``compiled_kernels`` holds what was compiled (tests set both).
+  forces the ufunc passes and ``compiled_kernels`` holds what was compiled (tests set both);
+* :func:`cache_sizes` and :func:`score_tile`: the caches this machine reports and the tile
+  shape they give, so the engines size their tiles for the machine they run on;
+* :func:`machine`: what a benchmark figure depends on (CPU model, instruction sets that numba
+  and BLAS use, caches), for the benchmarks' preamble.
 
 The pool's threads and BLAS's limit do not survive ``os.fork()``: a child starts afresh.
 """
@@ -22,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels"]
+__all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels",
+           "cache_sizes", "score_tile", "machine", "blas_libraries"]
 
 
 def workers() -> int:
@@ -232,3 +237,152 @@ def _compile(name, dtype):
                       f"({type(exc).__name__}: {exc}); the NumPy engine runs its ufunc passes "
                       f"instead (slower, same results)", RuntimeWarning, stacklevel=3)
         return None
+
+
+# --------------------------------------------------------------------------------------------
+# the machine's caches and the tile shapes they give
+
+# What a machine that reports nothing is assumed to have (a common per-core L2 of recent x86).
+DEFAULT_CACHES = {"L1d": 32 * 1024, "L2": 1024 * 1024, "L3": 32 * 1024 * 1024}
+_caches = None
+
+
+def cache_sizes():
+    """``{"L1d": bytes, "L2": bytes, "L3": bytes}``: the data caches of the first core, as
+    Linux reports them (``/sys/devices/system/cpu/cpu0/cache``), else ``os.sysconf``, else
+    :data:`DEFAULT_CACHES` for what neither gives. Read once per process."""
+    global _caches
+    if _caches is None:
+        found = _sysfs_caches() or _sysconf_caches()
+        _caches = {**DEFAULT_CACHES, **{k: v for k, v in found.items() if v > 0}}
+    return dict(_caches)
+
+
+def _sysfs_caches(root="/sys/devices/system/cpu/cpu0/cache"):
+    out = {}
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(root, entry, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, entry, "size")) as f:
+                size = _parse_size(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction":
+            continue
+        out["L1d" if level == "1" else f"L{level}"] = size
+    return out
+
+
+def _parse_size(text):
+    """Bytes of a size as sysfs writes it: ``48K``, ``1024K``, ``32M`` or a plain count."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1:].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
+def _sysconf_caches():
+    names = {"L1d": "SC_LEVEL1_DCACHE_SIZE", "L2": "SC_LEVEL2_CACHE_SIZE",
+             "L3": "SC_LEVEL3_CACHE_SIZE"}
+    out = {}
+    for key, name in names.items():
+        try:
+            out[key] = int(os.sysconf(name))
+        except (ValueError, OSError, AttributeError):
+            continue
+    return out
+
+
+def _floor_pow2(x):
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def score_tile(l2_bytes, itemsize, live_tiles=1):
+    """``(rows, keys)`` of the score tile for a core with ``l2_bytes`` of L2 cache, when
+    ``live_tiles`` tiles of ``itemsize``-byte scores are alive at once (the forward keeps one
+    score tile, the backward P and dS).
+
+    The live tiles fill the L2: the matrix products and the softmax sweeps then stream over a
+    tile that stays there. Within that budget the rows come first, up to 512 while the tile
+    keeps at least 256 keys: each block of rows reads the keys and values once, and taller
+    blocks give BLAS taller products (512 x 512 float32 ran 5-11% faster than 256 x 512 on a
+    1 MiB-L2 core, see docs/performance.md). Keys are a power of two in [128, 1024].
+    """
+    budget = max(int(l2_bytes) // (int(itemsize) * max(int(live_tiles), 1)), 1)
+    rows = 512
+    while rows > 64 and rows * 256 > budget:
+        rows //= 2
+    keys = min(max(_floor_pow2(budget // rows), 128), 1024)
+    return rows, keys
+
+
+# --------------------------------------------------------------------------------------------
+# what a measured figure depends on
+
+
+def machine():
+    """A description of this machine for a benchmark's preamble: ``{"cpu": model name,
+    "cores": count, "numba": target CPU and its widest vector instruction sets, "blas": library,
+    version and kernel architecture per BLAS, "caches": cache_sizes()}``. Imports numba and
+    threadpoolctl (benchmarks only; the engines never call this)."""
+    return {"cpu": _cpu_model(), "cores": workers(), "numba": _numba_target(),
+            "blas": _blas_kernels(), "caches": cache_sizes()}
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _numba_target():
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return "numba not installed"
+    features = set()
+    for flag in llvm.get_host_cpu_features().flatten().split(","):
+        if flag.startswith("+"):
+            features.add(flag[1:])
+    wanted = ["avx512f", "avx512bf16", "avx512fp16", "avx2", "fma", "neon", "sve"]
+    present = [f for f in wanted if f in features]
+    return f"{llvm.get_host_cpu_name()} ({', '.join(present) or 'no wide SIMD'})"
+
+
+def blas_libraries() -> list[str]:
+    """One line per BLAS library loaded (threadpoolctl): implementation, version, kernel set
+    (the CPU architecture it chose), threads and its file (which package's copy it is)."""
+    from threadpoolctl import threadpool_info
+
+    return [f"{lib.get('internal_api')} {lib.get('version')} "
+            f"({lib.get('architecture') or 'unknown'} kernels, {lib.get('num_threads')} "
+            f"threads; {_short_path(lib.get('filepath'))})"
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def _short_path(path):
+    """The file and its folder: which package's copy of a library it is (numpy.libs/...)."""
+    if not path:
+        return "unknown file"
+    return "/".join(path.replace("\\", "/").split("/")[-2:])
+
+
+def _blas_kernels():
+    pinned = os.environ.get("OPENBLAS_CORETYPE")
+    return "; ".join(blas_libraries()) + (f"; OPENBLAS_CORETYPE={pinned}" if pinned else "")

@@ -11,18 +11,22 @@ kernel reads it, and the mask, through their own element strides.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..kernels import families
 from . import target as _target
 
+if TYPE_CHECKING:
+    from .._validate import SoftmaxProblem
+
 __all__ = ["run"]
 
 _SOFTMAX = families.get("softmax")
 
 
-def run(problem):
+def run(problem: SoftmaxProblem) -> Any:
     """The result of :class:`cuonline._validate.SoftmaxProblem` ``problem``.
 
     It has the dtype of ``x``: ``x.shape`` for softmax/log_softmax, ``x.shape`` without

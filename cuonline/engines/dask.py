@@ -71,6 +71,17 @@ def _is_dask_array(x) -> bool:
     return type(x).__module__.startswith("dask.array")
 
 
+def _refuse_packed(options) -> None:
+    """Packed variable-length batches have no Dask graph yet: their chunks would have to
+    fall on sequence boundaries."""
+    given = [n for n in ("cu_seqlens_q", "cu_seqlens_k") if options.get(n) is not None]
+    if given:
+        raise ValueError(
+            f"Dask arrays do not yet take packed batches ({', '.join(given)} given): compute "
+            f"the arrays (NumPy) for a packed call, or split the batch with cuonline.unpack "
+            f"and build one Dask call per sequence")
+
+
 def is_dask_call(arguments) -> bool:
     """Whether any value of ``arguments`` (a call's bound arguments) is a Dask array."""
     return any(_is_dask_array(x) for x in arguments.values())
@@ -96,6 +107,7 @@ def attention(chunk_attention, /, q, k, v, **options):
     positions, and every other keyword goes to each task unchanged, except ``workers=None``,
     which becomes 1: Dask's workers are the parallelism, one BLAS thread per task.
     """
+    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 
@@ -145,6 +157,7 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
     of its input's shape and chunks, whatever library the input came in.
     """
+    _refuse_packed(options)
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
@@ -735,6 +748,7 @@ def attention_stats(stats_class, /, q, k, **options):
     global ``lse``, summed per key chunk over the query chunks by a fixed tree. ``rows``
     (a NumPy array or list) are computed per pair from ``lse`` and placed in the order given.
     """
+    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 

@@ -1,8 +1,9 @@
 """The NumPy engine: tiled online-softmax attention on the CPU.
 
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
-there are too few such tasks to keep every core busy). Each task walks its keys in tiles of
-``BLOCK_K`` and keeps, per query row, the online-softmax state in natural units:
+there are too few such tasks to keep every core busy); the block and tile shapes come from the
+machine's L2 cache (:func:`blocks`). Each task walks its keys in tiles of ``BLOCK_K`` and
+keeps, per query row, the online-softmax state in natural units:
 
     m  running max of the scores seen so far
     l  sum of exp(s - m)
@@ -25,24 +26,36 @@ import math
 import numpy as np
 
 from .. import _semantics
-from .cpu_runtime import run_tasks, tile_kernel, workers
+from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import ScorePipeline, blas_ready, visible_product
 
-# 256 x 512 float32 tiles: the score tile (512 KiB) stays in L2 while the two matmuls stream
-# through it; measured fastest of {128, 256, 512}^2 at D=64 on the 2-core CI machine.
-BLOCK_Q = 256
-BLOCK_K = 512
-# A block of few query rows walks its keys in wider tiles (up to BLOCK_Q * BLOCK_K scores, at
-# most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of work against
-# tens of microseconds of per-tile Python.
+# The float32 tile shape from this machine's L2 (cpu_runtime.score_tile, one live score tile:
+# 512 x 512 on a 1 MiB L2); other dtypes take theirs from blocks() (512 x 256 float64). Set to
+# other values, BLOCK_Q and BLOCK_K fix the shape for every dtype (tests do).
+BLOCK_Q, BLOCK_K = score_tile(cache_sizes()["L2"], 4, live_tiles=1)
+_MACHINE_TILE = (BLOCK_Q, BLOCK_K)
+# A block of few query rows walks its keys in wider tiles (up to rows x keys of the tile shape
+# scores, at most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of
+# work against tens of microseconds of per-tile Python.
 MAX_KEY_TILE = 16384
+# Rows per group when a tile's products cover only the columns the window band shows each
+# group (ScorePipeline.row_spans): a causal diagonal tile then costs 5/8 of a full one at 4
+# groups, while each product keeps enough rows for BLAS.
+SPAN_ROWS = 128
 
 
-def _key_tile(rows):
-    """Keys per tile for a block of ``rows`` query rows: a multiple of BLOCK_K."""
-    wide = BLOCK_Q * BLOCK_K // max(rows, 1) // BLOCK_K * BLOCK_K
-    return min(max(BLOCK_K, wide), MAX_KEY_TILE)
+def blocks(dtype):
+    """``(BLOCK_Q, BLOCK_K)``: query rows per task and keys per tile for scores of ``dtype``."""
+    rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=1)
+    return (rows if BLOCK_Q == _MACHINE_TILE[0] else BLOCK_Q,
+            keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
+
+
+def key_tile(rows, block_q, block_k):
+    """Keys per tile for a block of ``rows`` query rows: a multiple of ``block_k``."""
+    wide = block_q * block_k // max(rows, 1) // block_k * block_k
+    return min(max(block_k, wide), MAX_KEY_TILE)
 
 
 def attention(p):
@@ -54,7 +67,7 @@ def attention(p):
     n_workers = workers() if p.workers is None else p.workers
     out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
-    blocks = _plan(p)
+    blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
 
     def run(task):
@@ -79,7 +92,7 @@ def attention(p):
 # planning
 
 
-def _plan(p):
+def plan(p):
     """Map each ``(batch_index, i0, i1)`` query block to the key ranges it must visit.
 
     A block visits the keys that any of its rows may see (window and causal band, keys below
@@ -88,24 +101,30 @@ def _plan(p):
     run as separate tasks and merged (see merge.py). The split counts the cores, not the
     call's ``workers``, so that ``workers`` changes the speed and never the rounding.
     """
-    block_q = min(BLOCK_Q, max(p.lq, 1))
+    block_q, block_k = blocks(p.acc_dtype)
+    block_q = min(block_q, max(p.lq, 1))
     q_blocks = [(i0, min(i0 + block_q, p.lq)) for i0 in range(0, p.lq, block_q)]
     n_blocks = p.nbatch * len(q_blocks)
     splits = max(1, workers() // n_blocks) if n_blocks else 1
     plan = {}
     for b in np.ndindex(*p.batch_shape):
-        kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         for i0, i1 in q_blocks:
-            j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
-                                                  p.diagonal_offset)
-            j1 = max(j0, min(j1, kv_len))      # keys at or past kv_lengths are never read
-            n_tiles = math.ceil((j1 - j0) / BLOCK_K)
+            j0, j1 = key_range(p, b, i0, i1)
+            n_tiles = math.ceil((j1 - j0) / block_k)
             if splits == 1 or n_tiles < 2:
                 plan[b, i0, i1] = [(j0, j1)]
                 continue
-            step = math.ceil(n_tiles / min(splits, n_tiles)) * BLOCK_K
+            step = math.ceil(n_tiles / min(splits, n_tiles)) * block_k
             plan[b, i0, i1] = [(a, min(a + step, j1)) for a in range(j0, j1, step)]
     return plan
+
+
+def key_range(p, b, i0, i1):
+    """Keys ``[j0, j1)`` that any of the queries ``[i0, i1)`` of batch element ``b`` may see:
+    the window and causal band, and never a key at or past ``kv_lengths``."""
+    j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window, p.diagonal_offset)
+    kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
+    return j0, max(j0, min(j1, kv_len))
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +134,27 @@ def _plan(p):
 def _attend(p, b, i0, i1, j_lo, j_hi):
     """Normalised ``(out, lse)`` in the accumulation dtype for queries ``[i0, i1)`` of batch
     element ``b`` over keys ``[j_lo, j_hi)``."""
+    acc_t = p.acc_dtype
+    # Plain products first: a NaN or inf that reaches a product stays in the unnormalised
+    # output (a sum, rescaled by factors <= 1, never cancels it), so one check of the (n, Dv)
+    # result stands for a check of every tile's product. Only then is the task redone with the
+    # per-tile path where a non-finite value reaches only the rows that see it.
+    m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=False)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(o).all()
+    if not finite:
+        m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        seen = l > 0
+        o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
+        o[np.isnan(l)] = np.nan
+        lse = m + np.log(l)
+    return o, lse.astype(acc_t, copy=False)
+
+
+def _online(p, b, i0, i1, j_lo, j_hi, careful):
+    """The online-softmax state ``(m, l, o)`` after keys ``[j_lo, j_hi)``; ``careful``: each
+    tile's P·V through :func:`visible_product` (else a plain product)."""
     acc_t = p.acc_dtype
     n = i1 - i0
     # Scores and the running max stay in natural units: any finite score is representable,
@@ -126,26 +166,31 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     l = np.zeros(n, dtype=acc_t)
     o = np.zeros((n, p.dv), dtype=acc_t)
     kernel = tile_kernel(acc_t)
-    width = _key_tile(n)
+    width = key_tile(n, *blocks(acc_t))
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
+        # a tile the window band crosses (the diagonal tile of causal attention): both
+        # products over the columns each group of rows may see, not over the whole tile
+        spans = None if careful else pipeline.row_spans(js, width, je - js, SPAN_ROWS)
         # the kernel takes the window band from lo and hi, with no pass over the tile
-        s = pipeline.logits(js, je, window=kernel is None)
+        s = pipeline.logits(js, je, window=kernel is None, spans=spans)
         # rescale running state; s becomes p = exp(s - m)
         if kernel is not None:
             kernel(s, m, l, o, *pipeline.window_columns(js, width))  # m, l, o in place
         else:
             m = _softmax_tile_ufuncs(s, m, l, o)
         # accumulate P·V: values at keys a row cannot see must not reach it (0 * NaN)
-        o += visible_product(s, blas_ready(v[js:je], acc_t),
-                             lambda js=js, je=je: pipeline.visible(js, je))
-
-    with np.errstate(divide="ignore", invalid="ignore"):
-        seen = l > 0
-        o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
-        o[np.isnan(l)] = np.nan
-        lse = m + np.log(l)
-    return o, lse.astype(acc_t, copy=False)
+        vt = blas_ready(v[js:je], acc_t)
+        if careful:
+            o += visible_product(s, vt, lambda js=js, je=je: pipeline.visible(js, je))
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            if spans is None:
+                o += s @ vt
+            else:
+                for r0, r1, c0, c1 in spans:
+                    o[r0:r1] += s[r0:r1, c0:c1] @ vt[c0:c1]
+    return m, l, o
 
 
 def _softmax_tile_ufuncs(s, m, l, o):

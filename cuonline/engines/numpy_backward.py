@@ -16,7 +16,8 @@ Work: the batch elements are cut into groups that share no gradient slot (an inp
 over batch elements joins them: a bias shared by every head makes one group of all heads), and
 each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A task walks its
 batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
-that may see them in tiles of ``BLOCK_Q``, adding each tile's part straight into the gradients.
+that may see them in tiles of ``BLOCK_Q`` (both sized from the machine's L2, see
+:func:`blocks`), adding each tile's part straight into the gradients.
 Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
 ``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
 (:mod:`cuonline._lse_check`). No gradient slot is
@@ -31,13 +32,27 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients
-from .cpu_runtime import run_tasks, workers
-from .numpy_scores import ScorePipeline, blas_ready, skewed, visible_product
+from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
+from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
+                           visible_product)
 
-# 256 x 256 tiles: the score, P and dS tiles (256 KiB each in float32) stay in L2 while the
-# five matrix products stream through them.
-BLOCK_Q = 256
-BLOCK_K = 256
+# The float32 tile shape from this machine's L2 (cpu_runtime.score_tile with two live tiles, P
+# and dS, so that both stay in L2 while the five matrix products stream through them: 512 x 256
+# on a 1 MiB L2); other dtypes take theirs from blocks() (256 x 256 float64). Set to other
+# values, BLOCK_Q and BLOCK_K fix the shape for every dtype (tests do).
+BLOCK_Q, BLOCK_K = score_tile(cache_sizes()["L2"], 4, live_tiles=2)
+_MACHINE_TILE = (BLOCK_Q, BLOCK_K)
+
+
+# Rows per group of a tile the window band crosses (as the forward's SPAN_ROWS).
+SPAN_ROWS = 128
+
+
+def blocks(dtype):
+    """``(BLOCK_Q, BLOCK_K)``: query rows and keys per tile for gradients of ``dtype``."""
+    rows, keys = score_tile(cache_sizes()["L2"], np.dtype(dtype).itemsize, live_tiles=2)
+    return (rows if BLOCK_Q == _MACHINE_TILE[0] else BLOCK_Q,
+            keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
 
 
 def attention_backward(bp):
@@ -82,13 +97,14 @@ def _plan(p, targets):
     so every plan gives the same bits; the plan counts the cores, never ``workers``.
     """
     groups = _groups(p.batch_shape, targets)
-    n_tiles = -(-p.lq // BLOCK_Q) * -(-p.lk // BLOCK_K)
+    block_q, block_k = blocks(p.acc_dtype)
+    n_tiles = -(-p.lq // block_q) * -(-p.lk // block_k)
     if len(groups) >= workers() or n_tiles < 2:
         return [(g, "all", None, None) for g in groups]
     tasks = []
     kv = {n: targets[n] for n in ("k", "v")}
     for g in _groups(p.batch_shape, kv):
-        tasks += [(g, "kv", j0, None) for j0 in range(0, p.lk, BLOCK_K)]
+        tasks += [(g, "kv", j0, None) for j0 in range(0, p.lk, block_k)]
     others = {n: t for n, t in targets.items() if n not in kv}
     padded = {n: t.padded(len(p.batch_shape)) for n, t in others.items()}
     # a query block's bias-like gradients are its own rows only for a full-row bias
@@ -96,7 +112,7 @@ def _plan(p, targets):
                   and (p.bias is None or padded["bias"][-2] == p.lq))
     for g in _groups(p.batch_shape, others):
         if split_rows:
-            tasks += [(g, "q", None, i0) for i0 in range(0, p.lq, BLOCK_Q)]
+            tasks += [(g, "q", None, i0) for i0 in range(0, p.lq, block_q)]
         else:
             tasks.append((g, "q", None, None))
     return tasks
@@ -154,6 +170,10 @@ class _Element:
         with np.errstate(invalid="ignore", over="ignore"):
             # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
             self.delta = np.einsum("ij,ij->i", self.do, blas_ready(bp.out[b], acc))
+        # the right-hand operands of the products, checked once: finite ones take the plain
+        # product (see visible_product)
+        self.qs_finite = bool(np.isfinite(self.qs).all())
+        self.do_finite = bool(np.isfinite(self.do).all())
         lse = np.array(bp.lse[b], dtype=acc)
         self.dead = lse == -np.inf
         # a row that sees no key (lse = -inf) gets P = exp(s - inf) = 0 everywhere, never
@@ -179,7 +199,7 @@ class _RowSums:
     def __init__(self, p):
         self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
         self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
-        self.ones = np.ones(BLOCK_K, dtype=p.acc_dtype)
+        self.ones = np.ones(blocks(p.acc_dtype)[1], dtype=p.acc_dtype)
 
     def check(self, bp):
         p = bp.forward
@@ -204,17 +224,19 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
     slots = {name: t[name].slot(b) for name in t}
     dq, dk, dv = (buffers[n][slots[n]] for n in ("q", "k", "v"))     # (Lq, D), (Lk, D), (Lk, Dv)
     kv_part, q_part = part in ("all", "kv"), part in ("all", "q")
-    for j0 in range(0, e.kv_len, BLOCK_K):                 # keys past kv_lengths: never read
+    block_q, block_k = blocks(acc)
+    for j0 in range(0, e.kv_len, block_k):                 # keys past kv_lengths: never read
         if key_block is not None and j0 != key_block:
             continue
-        j1 = min(j0 + BLOCK_K, e.kv_len)
+        j1 = min(j0 + block_k, e.kv_len)
         r0, r1 = _visible_query_range(j0, j1, p)
         k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
-        for i0 in range(r0 // BLOCK_Q * BLOCK_Q, r1, BLOCK_Q):
+        k_finite = bool(np.isfinite(k_blk).all())
+        for i0 in range(r0 // block_q * block_q, r1, block_q):
             if query_block is not None and i0 != query_block:
                 continue
-            i1 = min(i0 + BLOCK_Q, p.lq)
+            i1 = min(i0 + block_q, p.lq)
             a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
                                                 p.diagonal_offset)
             js, je = max(a, j0), min(z, j1)
@@ -223,20 +245,39 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
             pipeline = e.pipeline(p, i0, i1)
             seen = _Visibility(pipeline, js, je, kt)
-            prob, ds, ds_content = _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen)
+            # a tile the window band crosses (causal: the diagonal), with finite operands:
+            # every product over the columns each group of rows may see
+            spans = None
+            if e.do_finite and e.qs_finite and k_finite:
+                spans = pipeline.row_spans(js, je - js, je - js, SPAN_ROWS)
+            prob, ds, ds_content, row_sums = _tile(p, e, pipeline, i0, i1, js, je, kt, vt,
+                                                   seen, spans)
             if q_part:                         # this task owns the rows' dQ: their sums too
-                sums.sums[b][i0:i1] += prob @ sums.ones[:je - js]   # BLAS: 4x np.sum's speed
+                if row_sums is None:
+                    row_sums = prob @ sums.ones[:je - js]          # BLAS: 4x np.sum's speed
+                sums.sums[b][i0:i1] += row_sums
                 if e.dead[i0:i1].any():
                     sums.sees[b][i0:i1] |= seen().any(axis=1)
-            if kv_part:
+            if kv_part and spans is not None:
+                for r0, r1, c0, c1 in spans:
+                    dv[js + c0:js + c1] += prob[r0:r1, c0:c1].T @ e.do[i0 + r0:i0 + r1]
+                    dk[js + c0:js + c1] += ds_content[r0:r1, c0:c1].T @ e.qs[i0 + r0:i0 + r1]
+            elif kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
-                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed)
-                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed)
+                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed,
+                                             e.do_finite)
+                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed,
+                                             e.qs_finite)
             if q_part:
                 _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je)
                 _relative_logit_gradients(p, pipeline, buffers, slots, ds_content, i0, js,
                                           seen)
-                dq[i0:i1] += visible_product(ds_content, kt, seen)  # dQ += dS K (scaled later)
+                # dQ += dS K (scaled later)
+                if spans is None:
+                    dq[i0:i1] += visible_product(ds_content, kt, seen, k_finite)
+                else:
+                    for r0, r1, c0, c1 in spans:
+                        dq[i0 + r0:i0 + r1] += ds_content[r0:r1, c0:c1] @ kt[c0:c1]
 
 
 class _Visibility:
@@ -269,35 +310,47 @@ class _Visibility:
         return self.band().T
 
 
-def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen):
-    """One tile's ``(P, dS, dS_content)``: the probabilities, the gradient of the logit and the
-    gradient of the content score (they differ only under a soft cap of the content score)."""
-    s, tanh = pipeline.logits(js, je, kt, tanh=True)
-    # P = exp(s - lse): s becomes P
-    with np.errstate(invalid="ignore"):
-        s -= e.lse[i0:i1, None]
-    np.exp(s, out=s)
+def _tile(p, e, pipeline, i0, i1, js, je, kt, vt, seen, spans=None):
+    """One tile's ``(P, dS, dS_content, row_sums)``: the probabilities, the gradient of the
+    logit, the gradient of the content score (they differ only under a soft cap of the content
+    score) and each row's sum of P (None: not computed here). ``spans``: the products over
+    those columns of each group of rows only (see ScorePipeline.row_spans)."""
+    s, tanh = pipeline.logits(js, je, kt, tanh=True, spans=spans)
     with np.errstate(invalid="ignore", over="ignore"):
-        # dS = P * (dP - Delta), dP = dO V^T
-        ds = e.do[i0:i1] @ vt.T
-        ds -= e.delta[i0:i1, None]
-        ds *= s
-        finite = np.isfinite(np.sum(ds))
-    if not finite:
+        ds = spanned_product(e.do[i0:i1], vt, spans)   # dP = dO V^T
+    kernel = tile_kernel(s.dtype, "backward_tile")
+    row_sums = None if kernel is None else np.empty(i1 - i0, dtype=s.dtype)
+    # P = exp(s - lse) and dS = P * (dP - Delta) in one sweep (status 1: all finite, 2: some
+    # dS not finite), unless a row's max is above its lse or NaN (0: nothing written)
+    status = 0 if kernel is None else kernel(s, e.lse[i0:i1], ds, e.delta[i0:i1], row_sums)
+    done = status == 1
+    if status == 0:
+        row_sums = None
+        # P = exp(s - lse): s becomes P
+        with np.errstate(invalid="ignore"):
+            s -= e.lse[i0:i1, None]
+        np.exp(s, out=s)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # dS = P * (dP - Delta)
+            ds -= e.delta[i0:i1, None]
+            ds *= s
+            done = np.isfinite(np.sum(ds))
+    if not done:
         # NaN or inf in V, dO, O, lse or the scores reaches P or dS at invisible places
         # (0 * NaN, exp(-inf - NaN)): those have no gradient, so NaN stays where it belongs
+        row_sums = None                                # summed after the clearing
         hidden = ~seen()
         np.copyto(ds, 0, where=hidden)
         np.copyto(s, 0, where=hidden)
     if tanh is None:
-        return s, ds, ds
+        return s, ds, ds, row_sums
     # d/dx c tanh(x / c) = 1 - tanh^2
     np.multiply(tanh, tanh, out=tanh)
     np.subtract(1, tanh, out=tanh)
     if p.softcap_bias:
         ds *= tanh                                     # every term sits under the cap
-        return s, ds, ds
-    return s, ds, ds * tanh
+        return s, ds, ds, row_sums
+    return s, ds, ds * tanh, row_sums
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ of a tile's distances (:meth:`ScorePipeline.band_index`) and the visibility of a
 
 Beside it, the tile helpers both passes share: :func:`blas_ready` (a layout BLAS takes),
 :func:`visible_product` (a product where NaN or inf reaches only the rows that see it),
+:func:`spanned_product` (a product over the columns each group of rows may see),
 :func:`soft_cap` and :func:`skewed` (the Toeplitz view of a band).
 """
 
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ScorePipeline", "blas_ready", "visible_product", "soft_cap", "skewed",
-           "REL_ROWS", "SLICE_BYTES"]
+__all__ = ["ScorePipeline", "blas_ready", "visible_product", "spanned_product", "soft_cap",
+           "skewed", "REL_ROWS", "SLICE_BYTES"]
 
 # Query rows per product of the relative logits (see ScorePipeline.add_relative_logits).
 REL_ROWS = 64
@@ -82,15 +83,17 @@ class ScorePipeline:
     # ----------------------------------------------------------------------------------------
     # the logits
 
-    def logits(self, js, je, keys=None, *, window=True, tanh=False):
+    def logits(self, js, je, keys=None, *, window=True, tanh=False, spans=None):
         """The ``(n, je - js)`` logits of keys ``[js, je)``, -inf where a row may not see a key.
 
         ``keys``: the BLAS-ready key tile when the caller has it (else read from ``p.k``).
         ``window=False`` leaves out the window band's -inf (the compiled kernel takes it from
         :meth:`window_columns`). ``tanh=True`` returns ``(s, t)`` with ``t`` the tanh of the
-        soft cap, for its derivative ``1 - t**2`` (None without a soft cap).
+        soft cap, for its derivative ``1 - t**2`` (None without a soft cap). ``spans``: the
+        ``(r0, r1, c0, c1)`` of :meth:`row_spans`; the content product then covers only those
+        columns of each group of rows (0 elsewhere: places the window band hides).
         """
-        s = self._content(js, je, keys)
+        s = self._content(js, je, keys, spans)
         self.add_relative_logits(s, js, je)         # + rel_q . rel_k[delta]
         t = None
         if self.cap is not None and not self.cap_whole_logit:
@@ -126,14 +129,32 @@ class ScorePipeline:
               else self.diag + self.right + 1 - js)
         return lo, hi
 
-    def _content(self, js, je, keys):
-        """``scale * q . k`` of the tile: (n, je - js)."""
+    def row_spans(self, js, width, w, rows):
+        """``[(r0, r1, c0, c1), ...]``: for each group of ``rows`` query rows, the columns
+        ``[c0, c1)`` of a tile of ``w`` keys from ``js`` (of a tile width ``width``) that the
+        window band lets any of them see; None when these spans cover more than 3/4 of the
+        tile (one product over the whole tile is then as cheap)."""
+        if self.n < 2 * rows or (self.left is None and self.right is None):
+            return None
+        lo, hi = self.window_columns(js, width)
+        lo, hi = np.clip(lo, 0, w), np.clip(hi, 0, w)
+        spans, area = [], 0
+        for r0 in range(0, self.n, rows):
+            r1 = min(r0 + rows, self.n)
+            c0, c1 = int(lo[r0:r1].min()), int(hi[r0:r1].max())
+            c1 = max(c0, c1)
+            spans.append((r0, r1, c0, c1))
+            area += (r1 - r0) * (c1 - c0)
+        return spans if 4 * area <= 3 * self.n * w else None
+
+    def _content(self, js, je, keys, spans=None):
+        """``scale * q . k`` of the tile: (n, je - js) (only the ``spans``, 0 elsewhere)."""
         if keys is not None:
-            return self.queries @ keys.T
+            return spanned_product(self.queries, keys, spans)
         k = self._keys[js:je]
         if self.queries is None or _copy_is_large(k, self.acc):
             return _sliced_product(self._query_view, k, self.acc, self.scale)
-        return self.queries @ blas_ready(k, self.acc).T
+        return spanned_product(self.queries, blas_ready(k, self.acc), spans)
 
     # ----------------------------------------------------------------------------------------
     # the terms
@@ -189,6 +210,20 @@ class ScorePipeline:
             s += skewed(band, self.n, -1, je - js)
 
 
+def spanned_product(a, b, spans=None):
+    """``a @ b.T`` of an (n, d) ``a`` and a (w, d) ``b``: all of it (``spans`` None), or only
+    the columns ``[c0, c1)`` of the rows ``[r0, r1)`` of each span of
+    :meth:`ScorePipeline.row_spans`, 0 elsewhere."""
+    if spans is None:
+        return a @ b.T
+    out = np.empty((a.shape[0], b.shape[0]), dtype=np.result_type(a, b))
+    for r0, r1, c0, c1 in spans:
+        out[r0:r1, :c0] = 0
+        out[r0:r1, c1:] = 0
+        np.matmul(a[r0:r1], b[c0:c1].T, out=out[r0:r1, c0:c1])
+    return out
+
+
 def skewed(flat, rows, row_step, w, writeable=False):
     """The ``(rows, w)`` view ``v[i, j] = flat[i * row_step + j + rows - 1]`` of a 1-d
     ``flat``: a band read (or, ``writeable``, written) as the tile it covers."""
@@ -207,9 +242,11 @@ def soft_cap(s, cap, keep_tanh=False):
     return tanh
 
 
-def visible_product(a, b, visible):
+def visible_product(a, b, visible, b_finite=False):
     """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see
     it: 0 * NaN must not carry NaN into a result that the non-finite number has no path to.
+    ``b_finite=True`` (the caller has checked that every element of ``b`` is finite): the plain
+    product, which is what the general path gives for such a ``b``, without its checks.
 
     ``a``: (n, k) weights (0 where not visible); ``b``: (k, m); ``visible()``: the (n, k)
     boolean of the places that are seen (asked only when the plain product is not finite).
@@ -219,7 +256,7 @@ def visible_product(a, b, visible):
     """
     with np.errstate(invalid="ignore", over="ignore"):
         out = a @ b
-        if np.isfinite(np.sum(out)):
+        if b_finite or np.isfinite(np.sum(out)):
             return out
         bad = np.flatnonzero(~np.isfinite(b).all(axis=1))
     if bad.size == 0:

@@ -20,24 +20,25 @@ results.
 from __future__ import annotations
 
 import copy
-import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import _semantics
 from .cpu_runtime import run_tasks, workers
-from .numpy import BLOCK_K, BLOCK_Q, MAX_KEY_TILE
+from . import numpy as numpy_forward
 from .numpy_scores import ScorePipeline
+
+if TYPE_CHECKING:
+    from .._stats import AttentionStats
+    from .._validate import StatsProblem
 
 __all__ = ["RowState", "attention_stats", "finished", "probabilities", "row_state", "row_states",
            "received", "weights_of_rows"]
 
 
-def _key_tile(rows):
-    """Keys per tile for a block of ``rows`` query rows: the forward's tiles (measured there),
-    a multiple of BLOCK_K, at most BLOCK_Q * BLOCK_K scores, up to MAX_KEY_TILE keys."""
-    wide = BLOCK_Q * BLOCK_K // max(rows, 1) // BLOCK_K * BLOCK_K
-    return min(max(BLOCK_K, wide), MAX_KEY_TILE)
+def _key_tile(p, rows):
+    """Keys per tile for a block of ``rows`` query rows: the forward's."""
+    return numpy_forward.key_tile(rows, *numpy_forward.blocks(p.acc_dtype))
 
 
 class RowState:
@@ -239,36 +240,9 @@ def probabilities(s, lse):
 # planning
 
 
-def _query_blocks(lq):
-    block = min(BLOCK_Q, max(lq, 1))
-    return [(i0, min(i0 + block, lq)) for i0 in range(0, lq, block)]
-
-
-def _key_range(p, b, i0, i1):
-    """Keys ``[j0, j1)`` any of the queries ``[i0, i1)`` of batch element ``b`` may see."""
-    kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
-    j0, j1 = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window, p.diagonal_offset)
-    return j0, max(j0, min(j1, kv_len))
-
-
-def _plan(p):
-    """``{(b, i0, i1): [(ja, jb), ...]}``: each query block's key ranges, split into whole
-    tiles when there are fewer blocks than cores (as the forward's plan: the split counts the
-    cores, never ``workers``, so the rounding does not depend on it)."""
-    blocks = _query_blocks(p.lq)
-    n_blocks = p.nbatch * len(blocks)
-    splits = max(1, workers() // n_blocks) if n_blocks else 1
-    plan = {}
-    for b in np.ndindex(*p.batch_shape):
-        for i0, i1 in blocks:
-            j0, j1 = _key_range(p, b, i0, i1)
-            n_tiles = math.ceil((j1 - j0) / BLOCK_K)
-            if splits == 1 or n_tiles < 2:
-                plan[b, i0, i1] = [(j0, j1)]
-                continue
-            step = math.ceil(n_tiles / min(splits, n_tiles)) * BLOCK_K
-            plan[b, i0, i1] = [(a, min(a + step, j1)) for a in range(j0, j1, step)]
-    return plan
+def _query_blocks(p):
+    block_q = min(numpy_forward.blocks(p.acc_dtype)[0], max(p.lq, 1))
+    return [(i0, min(i0 + block_q, p.lq)) for i0 in range(0, p.lq, block_q)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +254,7 @@ def row_states(p, top_k, entropy, j_lo, j_hi, b, i0, i1):
     ``[j_lo, j_hi)`` (the caller clips the range to the keys the rows may see)."""
     state = RowState(i1 - i0, top_k, p.acc_dtype, entropy)
     pipeline = ScorePipeline(p, b, i0, i1)
-    width = _key_tile(i1 - i0)
+    width = _key_tile(p, i1 - i0)
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
         state.update(pipeline.logits(js, je), js)
@@ -293,15 +267,16 @@ def received(p, lse, query_weights, n_workers):
     count); a query block that cannot see the key block, or whose weights are all 0, is
     skipped (a zero-weight row adds nothing, even where its P is NaN)."""
     out = np.zeros(p.batch_shape + (p.lk,), dtype=p.acc_dtype)
-    q_blocks = _query_blocks(p.lq)
-    tasks = [(b, j0, min(j0 + BLOCK_K, p.lk))
-             for b in np.ndindex(*p.batch_shape) for j0 in range(0, p.lk, BLOCK_K)]
+    q_blocks = _query_blocks(p)
+    block_k = numpy_forward.blocks(p.acc_dtype)[1]
+    tasks = [(b, j0, min(j0 + block_k, p.lk))
+             for b in np.ndindex(*p.batch_shape) for j0 in range(0, p.lk, block_k)]
 
     def run(task):
         b, j0, j1 = task
         total = out[b][j0:j1]
         for i0, i1 in q_blocks:
-            lo, hi = _key_range(p, b, i0, i1)
+            lo, hi = numpy_forward.key_range(p, b, i0, i1)
             js, je = max(lo, j0), min(hi, j1)
             if js >= je:
                 continue
@@ -323,14 +298,15 @@ def received(p, lse, query_weights, n_workers):
 
 def weights_of_rows(p, lse, rows, n_workers):
     """The rows ``rows`` (1-D, in [0, Lq)) of ``P``: S + (len(rows), Lk), computed for runs of
-    consecutive distinct rows (at most BLOCK_Q each) from ``lse``."""
+    consecutive distinct rows (at most the forward's rows per task each) from ``lse``."""
+    block_q = numpy_forward.blocks(p.acc_dtype)[0]
     out = np.zeros(p.batch_shape + (rows.size, p.lk), dtype=p.acc_dtype)
     unique = np.unique(rows)
     runs = []
     start = 0
     for n in range(1, unique.size + 1):
         if (n == unique.size or unique[n] != unique[n - 1] + 1
-                or n - start == BLOCK_Q):
+                or n - start == block_q):
             runs.append((int(unique[start]), int(unique[n - 1]) + 1))
             start = n
     tasks = [(b, i0, i1) for b in np.ndindex(*p.batch_shape) for i0, i1 in runs]
@@ -338,9 +314,9 @@ def weights_of_rows(p, lse, rows, n_workers):
     def run(task):
         b, i0, i1 = task
         block = np.zeros((i1 - i0, p.lk), dtype=p.acc_dtype)
-        j0, j1 = _key_range(p, b, i0, i1)
+        j0, j1 = numpy_forward.key_range(p, b, i0, i1)
         pipeline = ScorePipeline(p, b, i0, i1)
-        width = _key_tile(i1 - i0)
+        width = _key_tile(p, i1 - i0)
         for js in range(j0, j1, width):
             je = min(js + width, j1)
             block[:, js:je] = probabilities(pipeline.logits(js, je), lse[b][i0:i1])
@@ -356,7 +332,7 @@ def row_state(sp, n_workers=None):
     of every query over every key, its rows in C order of ``S + (Lq,)``."""
     p = sp.scores
     n_workers = n_workers or (workers() if p.workers is None else p.workers)
-    plan = _plan(p)
+    plan = numpy_forward.plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in plan.items() for ja, jb in ranges]
     states = run_tasks(tasks, lambda t: row_states(p, sp.top_k, sp.entropy, t[3], t[4],
                                                    *t[:3]), n_workers)
@@ -380,7 +356,7 @@ def finished(state, shape):
     return {n: None if x is None else x.reshape(shape + x.shape[1:]) for n, x in fields.items()}
 
 
-def attention_stats(sp):
+def attention_stats(sp: StatsProblem) -> AttentionStats:
     """Run the :class:`cuonline._validate.StatsProblem` ``sp``; return the fields of
     :class:`cuonline.AttentionStats` as a dict."""
     p = sp.scores

@@ -96,7 +96,7 @@ def store(doc, path=None) -> Path:
     return path
 
 
-_cache = {}
+_cache: dict = {}
 _cache_lock = threading.Lock()
 
 

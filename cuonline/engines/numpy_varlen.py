@@ -1,0 +1,166 @@
+"""Packed variable-length batches on the NumPy engines (``cu_seqlens_q``, ``cu_seqlens_k``).
+
+No new numerics: the sequences of a packed batch are grouped by their shape, each group is
+stacked into one batch axis (a copy of its rows) and handed to the NumPy forward
+(:func:`.numpy.attention`) or backward (:func:`.numpy_backward.attention_backward`) as an
+ordinary :class:`cuonline._validate.Problem`, whose results are scattered back into the packed
+layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
+sequences of one group (every 300-residue protein, say) are one call whose tasks keep the
+pool busy, however short each sequence is.
+
+A group is the sequences that share their query length and diagonal (:func:`cuonline.
+_semantics.sequence_diagonals`). At the default offsets the diagonal is ``len_k - len_q``, so
+a group shares both lengths exactly; with an explicit ``q_offset`` the keys of a group are
+padded to its longest and the padding is cut off with ``kv_lengths`` (never read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._gradients import Gradients, Target
+from . import numpy as numpy_forward
+from . import numpy_backward
+
+if TYPE_CHECKING:
+    from .._validate import BackwardProblem, Problem
+
+__all__ = ["Group", "attention", "attention_backward", "groups"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences of one shape, stacked as a batch axis of ``len(sequences)`` elements."""
+
+    sequences: tuple           # indices b into the packed batch
+    lq: int                    # every sequence's query length
+    lk: int                    # the longest key length (the others padded to it)
+    diagonal: int              # every sequence's diagonal offset
+    index_q: np.ndarray        # (G, lq): packed query rows of each sequence
+    index_k: np.ndarray        # (G, lk): packed key rows (padding repeats a valid row)
+    lengths_k: np.ndarray      # (G,): each sequence's own key length
+
+    @property
+    def padded(self) -> bool:
+        return bool((self.lengths_k != self.lk).any())
+
+
+def groups(p) -> list:
+    """The groups of problem ``p``'s sequences, in the order of their first sequence; a
+    sequence without queries is in none (it has nothing to compute)."""
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    by_shape: dict = {}
+    for b, diagonal in enumerate(p.sequence_diagonals):
+        lq = int(cq[b + 1] - cq[b])
+        if lq:
+            by_shape.setdefault((lq, diagonal), []).append(b)
+    out = []
+    for (lq, diagonal), members in by_shape.items():
+        lengths_k = np.array([int(ck[b + 1] - ck[b]) for b in members], dtype=np.int64)
+        lk = int(lengths_k.max())
+        index_q = cq[members][:, None] + np.arange(lq)
+        # padded key rows point at the sequence's first row (or row 0): any valid row, never
+        # read past kv_lengths
+        offsets = np.minimum(np.arange(lk), np.maximum(lengths_k[:, None] - 1, 0))
+        index_k = np.minimum(ck[members][:, None] + offsets, max(p.lk - 1, 0))
+        out.append(Group(tuple(members), lq, lk, diagonal, index_q, index_k, lengths_k))
+    return out
+
+
+def _gather(x, index, batch_shape):
+    """Rows ``index`` (G, L) of ``x`` (``batch_shape + (N,) + tail``, a view broadcast to the
+    batch) as ``batch_shape + (G, L) + tail``: batch axes the view broadcast are gathered once
+    and broadcast again, not copied per element."""
+    nb = len(batch_shape)
+    base = x[tuple(slice(0, 1) if x.strides[a] == 0 else slice(None) for a in range(nb))]
+    rows = np.take(base, index, axis=nb)
+    return np.broadcast_to(rows, batch_shape + index.shape + x.shape[nb + 1:])
+
+
+def _per_element(x, count, batch_shape):
+    """A per-batch array (``batch_shape + tail``) repeated for the ``count`` sequences of a
+    group: ``batch_shape + (count,) + tail``, a broadcast view."""
+    nb = len(batch_shape)
+    return np.broadcast_to(np.expand_dims(x, nb), batch_shape + (count,) + x.shape[nb:])
+
+
+def _sub_problem(p, g: Group):
+    """The :class:`cuonline._validate.Problem` of group ``g``: an ordinary batch of
+    ``p.batch_shape + (G,)`` elements, no cu_seqlens."""
+    batch = p.batch_shape
+    sub_batch = batch + (len(g.sequences),)
+    kv_lengths = None
+    if g.padded:
+        kv_lengths = np.ascontiguousarray(np.broadcast_to(g.lengths_k, sub_batch))
+    alibi = None
+    if p.alibi_slopes is not None:
+        alibi = np.ascontiguousarray(_per_element(p.alibi_slopes, len(g.sequences), batch))
+    tables = {name: None if getattr(p, name) is None
+              else _per_element(getattr(p, name), len(g.sequences), batch)
+              for name in ("rel_bias", "rel_k")}
+    return dataclasses.replace(
+        p, batch_shape=sub_batch, lq=g.lq, lk=g.lk,
+        q=_gather(p.q, g.index_q, batch), k=_gather(p.k, g.index_k, batch),
+        v=_gather(p.v, g.index_k, batch),
+        rel_q=None if p.rel_q is None else _gather(p.rel_q, g.index_q, batch),
+        kv_lengths=kv_lengths, alibi_slopes=alibi, diagonal_offset=g.diagonal,
+        cu_seqlens_q=None, cu_seqlens_k=None, sequence_diagonals=None, **tables,
+    )
+
+
+def attention(p: Problem) -> tuple[Any, Any]:
+    """``(out, lse)`` of the packed problem ``p``: ``out`` ``S + (total_q, Dv)``, ``lse``
+    ``S + (total_q,)`` (None unless ``p.return_lse``); a query of a sequence without keys
+    gets 0 and ``-inf``."""
+    batch = p.batch_shape
+    out = np.zeros(batch + (p.lq, p.dv), dtype=p.dtype)
+    lse = np.full(batch + (p.lq,), -np.inf, dtype=p.acc_dtype) if p.return_lse else None
+    for g in groups(p):
+        rows = g.index_q.reshape(-1)
+        o, s = numpy_forward.attention(_sub_problem(p, g))
+        out[..., rows, :] = o.reshape(batch + (-1, p.dv))
+        if lse is not None:
+            lse[..., rows] = s.reshape(batch + (-1,))
+    return out, lse
+
+
+def attention_backward(bp: BackwardProblem) -> Gradients:
+    """:class:`cuonline.Gradients` of the packed backward problem ``bp``: each gradient packed
+    (and shaped) like its input; the keys of a sequence without queries get zeros."""
+    p = bp.forward
+    acc, batch, nb = p.acc_dtype, p.batch_shape, len(p.batch_shape)
+    # per batch element, in the accumulation dtype; summed to the shapes as passed at the end
+    full = {"q": np.zeros(batch + (p.lq, p.d), acc), "k": np.zeros(batch + (p.lk, p.d), acc),
+            "v": np.zeros(batch + (p.lk, p.dv), acc)}
+    for name in ("rel_bias", "rel_q", "rel_k"):
+        if name in bp.targets:
+            full[name] = np.zeros(getattr(p, name).shape, acc)
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        targets = {name: Target(shape=getattr(sub, name).shape, dtype=acc,
+                                tail=bp.targets[name].tail) for name in full}
+        grads = numpy_backward.attention_backward(dataclasses.replace(
+            bp, forward=sub, dout=_gather(bp.dout, g.index_q, batch),
+            out=_gather(bp.out, g.index_q, batch), lse=_gather(bp.lse, g.index_q, batch),
+            targets=targets))
+        rows_q = g.index_q.reshape(-1)
+        full["q"][..., rows_q, :] = grads.dq.reshape(batch + (-1, p.d))
+        if "rel_q" in full:
+            full["rel_q"][..., rows_q, :] = grads.drel_q.reshape(batch + (-1, p.dr))
+        # padded keys (past a sequence's own length) receive nothing
+        real = (np.arange(g.lk) < g.lengths_k[:, None]).reshape(-1)
+        rows_k = g.index_k.reshape(-1)[real]
+        for name, grad, width in (("k", grads.dk, p.d), ("v", grads.dv, p.dv)):
+            full[name][..., rows_k, :] = grad.reshape(batch + (-1, width))[..., real, :]
+        # the tables are shared by every sequence: each group adds its sum, in group order
+        for name, grad in (("rel_bias", grads.drel_bias), ("rel_k", grads.drel_k)):
+            if name in full:
+                full[name] += grad.sum(axis=nb)
+    reduced = {name: bp.reduce(name, grad) for name, grad in full.items()}
+    return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
+                     drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
+                     drel_k=reduced.get("rel_k"))

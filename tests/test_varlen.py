@@ -1,0 +1,328 @@
+"""Packed variable-length batches (``cu_seqlens_q``, ``cu_seqlens_k``) on the NumPy engine.
+
+Forward and backward against the float64 oracle run one sequence at a time
+(tests/oracle.py), with every per-sequence option; against per-sequence calls of attention
+and attention_backward; empty sequences on either side; pack/unpack; and each bad
+``cu_seqlens`` a clear error before any work.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from oracle import reference_varlen_attention, reference_varlen_attention_backward
+
+import cuonline
+
+# query and key lengths per sequence: repeated shapes (one group of several sequences),
+# Lq != Lk both ways, empty sequences on either side, lengths around the engine's tiles
+LENGTHS_Q = [5, 0, 17, 5, 3, 64, 65, 1, 5]
+LENGTHS_K = [5, 4, 17, 5, 0, 64, 30, 1, 5]
+
+
+def cu(lengths):
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
+
+def case(seed, *, heads=2, d=6, dv=4, dtype=np.float64, lengths_q=LENGTHS_Q,
+         lengths_k=LENGTHS_K):
+    """Packed q (S + (total_q, D)), k and v shared by the heads (broadcast), boundaries."""
+    rng = np.random.default_rng(seed)
+    cq, ck = cu(lengths_q), cu(lengths_k)
+    q = rng.standard_normal((heads, cq[-1], d)).astype(dtype)
+    k = rng.standard_normal((1, ck[-1], d)).astype(dtype)
+    v = rng.standard_normal((1, ck[-1], dv)).astype(dtype)
+    return rng, q, k, v, cq, ck
+
+
+def options_cases(rng, total_q, heads=2, dr=3):
+    """Each per-sequence option, alone or with what gives it meaning."""
+    rel_q = rng.standard_normal((heads, total_q, dr))
+    rel_k = rng.standard_normal((1, 21, dr))        # radius 10: clamped beyond
+    return {
+        "plain": {},
+        "causal": {"causal": True},
+        "window": {"window": (3, 1)},
+        "alibi": {"alibi_slopes": np.array([0.25, 0.5]), "causal": True},
+        "softcap": {"softcap": 1.5, "scale": 2.0},
+        "softcap_bias": {"softcap": 1.5, "softcap_bias": True, "alibi_slopes": np.array([0.3]),
+                         "rel_bias": rng.standard_normal(41)},
+        "rel_bias": {"rel_bias": rng.standard_normal((heads, 9)), "window": (None, 2)},
+        "rel_qk": {"rel_q": rel_q, "rel_k": rel_k},
+        "q_offset": {"q_offset": 2, "causal": True},
+        "k_offset": {"q_offset": 0, "k_offset": 3, "window": (4, 0),
+                     "alibi_slopes": np.array(0.2)},
+    }
+
+
+@pytest.mark.parametrize("name", list(options_cases(np.random.default_rng(0), 1)))
+def test_forward_and_backward_match_the_oracle(name):
+    rng, q, k, v, cq, ck = case(1)
+    options = options_cases(rng, q.shape[-2])[name]
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True,
+                                  **options)
+    ref_out, ref_lse = reference_varlen_attention(q, k, v, cq, ck, **options)
+    assert out.shape == (2, cq[-1], v.shape[-1]) and lse.shape == (2, cq[-1])
+    np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    assert np.isneginf(lse[:, cq[4]:cq[5]]).all()           # the sequence without keys
+    dout = rng.standard_normal(out.shape)
+    g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                    **options)
+    ref = reference_varlen_attention_backward(dout, q, k, v, cq, ck, **options)
+    for field in ("dq", "dk", "dv", "drel_bias", "drel_q", "drel_k"):
+        got = getattr(g, field)
+        if ref.get(field) is None:
+            assert got is None, field
+            continue
+        assert got.shape == ref[field].shape, field
+        np.testing.assert_allclose(got, ref[field], rtol=1e-9, atol=1e-11, err_msg=field)
+    # the keys of the sequence without queries receive nothing
+    assert not g.dk[:, ck[1]:ck[2]].any() and not g.dv[:, ck[1]:ck[2]].any()
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (2, 3), "q_offset": 1}],
+                         ids=["causal", "window-offset"])
+def test_is_a_loop_of_per_sequence_calls(options):
+    """Each sequence's rows are attention on that sequence alone, forward and backward, in
+    float32 too (the same engine, so to rounding)."""
+    rng, q, k, v, cq, ck = case(2, dtype=np.float32)
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True,
+                                  **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                    **options)
+    k_full, v_full = np.broadcast_to(k, (2,) + k.shape[1:]), np.broadcast_to(v, (2,) + v.shape[1:])
+    dk = np.zeros(k_full.shape, np.float32)
+    for b in range(len(cq) - 1):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        o, s = cuonline.attention(q[:, sq], k[:, sk], v[:, sk], return_lse=True, **options)
+        np.testing.assert_allclose(out[:, sq], o, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[:, sq], s, rtol=1e-5, atol=1e-6)
+        gb = cuonline.attention_backward(dout[:, sq], q[:, sq], k_full[:, sk], v_full[:, sk],
+                                         o, s, **options)
+        np.testing.assert_allclose(g.dq[:, sq], gb.dq, rtol=1e-4, atol=1e-5)
+        dk[:, sk] = gb.dk
+    np.testing.assert_allclose(g.dk, dk.sum(axis=0, keepdims=True), rtol=1e-4, atol=1e-5)
+    assert g.dq.dtype == np.float32 and lse.dtype == np.float32
+
+
+def test_one_sequence_is_the_plain_call(rng):
+    q, k, v = rng.standard_normal((3, 40, 8)), rng.standard_normal((3, 50, 8)), \
+        rng.standard_normal((3, 50, 8))
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=[0, 40], cu_seqlens_k=[0, 50],
+                                  causal=True, return_lse=True)
+    ref, ref_lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-14)
+
+
+def test_no_queries_and_no_keys(rng):
+    """Every sequence empty on one side: zeros and -inf, zero gradients, no work."""
+    q, k, v = rng.standard_normal((0, 4)), rng.standard_normal((7, 4)), rng.standard_normal((7, 4))
+    out = cuonline.attention(q, k, v, cu_seqlens_q=[0, 0, 0], cu_seqlens_k=[0, 3, 7])
+    assert out.shape == (0, 4)
+    q = rng.standard_normal((6, 4))
+    out, lse = cuonline.attention(q, k[:0], v[:0], cu_seqlens_q=[0, 6], cu_seqlens_k=[0, 0],
+                                  return_lse=True)
+    assert not out.any() and np.isneginf(lse).all()
+    g = cuonline.attention_backward(np.ones_like(out), q, k[:0], v[:0], out, lse,
+                                    cu_seqlens_q=[0, 6], cu_seqlens_k=[0, 0])
+    assert not g.dq.any() and g.dk.shape == (0, 4)
+
+
+def test_vjp_and_lists_of_boundaries(rng):
+    """attention_vjp takes the keywords; boundaries as lists, int32 or uint16 arrays."""
+    _, q, k, v, cq, ck = case(3)
+    out, vjp = cuonline.attention_vjp(q, k, v, cu_seqlens_q=list(cq),
+                                      cu_seqlens_k=ck.astype(np.uint16), causal=True)
+    out2, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq.astype(np.int32), cu_seqlens_k=ck,
+                                   causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, out2)
+    dout = rng.standard_normal(out.shape)
+    g = cuonline.attention_backward(dout, q, k, v, out2, lse, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                    causal=True)
+    np.testing.assert_array_equal(vjp(dout).dq, g.dq)
+
+
+def test_results_do_not_depend_on_workers(rng):
+    _, q, k, v, cq, ck = case(6)
+    runs = []
+    for workers in (1, 2, None):
+        out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True,
+                                      return_lse=True, workers=workers)
+        g = cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, cu_seqlens_q=cq,
+                                        cu_seqlens_k=ck, causal=True, workers=workers)
+        runs.append((out, g.dq, g.dk))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_wrong_lse_is_still_refused(rng):
+    """The backward's check of lse runs on every group."""
+    _, q, k, v, cq, ck = case(4)
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True)
+    with pytest.raises(ValueError, match="lse"):
+        cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse + 3.0, cu_seqlens_q=cq,
+                                    cu_seqlens_k=ck)
+
+
+# --------------------------------------------------------------------------------------------
+# pack and unpack
+
+
+def test_pack_unpack_round_trip(rng):
+    seqs = [rng.standard_normal((2, n, 3)) for n in (4, 0, 9)]
+    packed, cu_seqlens = cuonline.pack(seqs)
+    assert packed.shape == (2, 13, 3) and cu_seqlens.tolist() == [0, 4, 4, 13]
+    for a, b in zip(cuonline.unpack(packed, cu_seqlens), seqs):
+        np.testing.assert_array_equal(a, b)
+    lse, cu_lse = cuonline.pack([s[..., 0] for s in seqs], axis=-1)
+    np.testing.assert_array_equal(cu_lse, cu_seqlens)
+    assert [x.shape for x in cuonline.unpack(lse, cu_lse, axis=-1)] == [(2, 4), (2, 0), (2, 9)]
+
+
+def test_packed_attention_of_a_list_is_attention_of_each(rng):
+    seqs = [rng.standard_normal((n, 8)) for n in (12, 30, 7)]
+    x, cu_seqlens = cuonline.pack(seqs)
+    out = cuonline.attention(x, x, x, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                             causal=True)
+    for o, s in zip(cuonline.unpack(out, cu_seqlens), seqs):
+        np.testing.assert_allclose(o, cuonline.attention(s, s, s, causal=True), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seqs, error, message", [
+    ([], ValueError, "at least one"),
+    (np.zeros((2, 3, 4)), TypeError, "list or tuple"),
+    ([np.zeros((3, 4)), np.zeros((3, 5))], ValueError, r"seqs\[1\]. has shape \(3, 5\)"),
+    ([np.zeros((3, 4)), np.zeros((3, 4), np.float32)], TypeError, "dtype float32"),
+])
+def test_pack_refuses(seqs, error, message):
+    with pytest.raises(error, match=message):
+        cuonline.pack(seqs)
+
+
+def test_pack_and_unpack_refuse_bad_axes():
+    with pytest.raises(ValueError, match="`axis` 2 is out of range for `seqs\\[0\\]` with 2"):
+        cuonline.pack([np.zeros((3, 4))], axis=2)
+    with pytest.raises(TypeError, match="`axis` must be an int, got float 1.0"):
+        cuonline.unpack(np.zeros((3, 4)), [0, 3], axis=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# bad input: every rule names the argument, what it expected and what came
+
+
+BAD = {
+    "decreasing": ([0, 5, 3, 12], ValueError, r"cu_seqlens_q. must be non-decreasing.*"
+                   r"cu_seqlens_q\[2\] = 3 < cu_seqlens_q\[1\] = 5"),
+    "not from 0": ([2, 5, 12], ValueError, "must start at 0, got 2"),
+    "last not the total": ([0, 5, 11], ValueError, r"must end at q.shape\[-2\] = 12.*got 11"),
+    "past the total": ([0, 5, 13], ValueError, r"must end at q.shape\[-2\] = 12.*got 13"),
+    "negative": ([0, -5, 12], ValueError, "non-decreasing"),
+    "floats": (np.array([0.0, 5.0, 12.0]), TypeError, "integer array.*floating dtype float64"),
+    "bools": (np.array([False, True, True]), TypeError, "integer array.*boolean dtype bool"),
+    "2-D": (np.array([[0, 5, 12]]), ValueError, r"1-D .*got shape \(1, 3\)"),
+    "empty": (np.zeros(0, np.int64), ValueError, r"got shape \(0,\)"),
+    "huge": ([0, 2**70, 12], TypeError, "integer array.*object"),
+    "uint64 beyond int64": (np.array([0, 2**63 + 5, 12], np.uint64), ValueError,
+                            "must end at"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_boundaries_are_clear_errors(name):
+    value, error, message = BAD[name]
+    q = np.zeros((12, 4))
+    k = np.zeros((16, 4))
+    ck = [0, 7, 16] if np.ndim(value) != 1 or len(value) != 4 else [0, 7, 8, 16]
+    with pytest.raises(error, match=message):
+        cuonline.attention(q, k, k, cu_seqlens_q=value, cu_seqlens_k=ck)
+    with pytest.raises(error, match=message.replace("q.shape", "packed.shape").replace(
+            "cu_seqlens_q", "cu_seqlens")):
+        cuonline.unpack(q, value)
+
+
+def test_boundaries_of_different_counts_or_alone():
+    q = np.zeros((12, 4))
+    with pytest.raises(ValueError, match="same length B \\+ 1.*got 3 and 4"):
+        cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 6, 12])
+    with pytest.raises(ValueError, match="`cu_seqlens_q` was given without `cu_seqlens_k`"):
+        cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12])
+    with pytest.raises(ValueError, match="`cu_seqlens_k` was given without `cu_seqlens_q`"):
+        cuonline.attention_backward(q, q, q, q, q, q[:, 0], cu_seqlens_k=[0, 12])
+
+
+@pytest.mark.parametrize("option", [
+    {"bias": np.zeros((12, 12))}, {"mask": np.ones((12, 12), bool)},
+    {"kv_lengths": np.array(5)}, {"bias": np.zeros((3, 3)), "bias_block": 4}],
+    ids=["bias", "mask", "kv_lengths", "bias_block"])
+def test_options_without_meaning_across_sequences_are_refused(option):
+    q = np.zeros((12, 4))
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"`{name}` cannot be combined with `cu_seqlens_q`"):
+        cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12], **option)
+
+
+def test_cuda_engines_refuse_packed_batches():
+    q = np.zeros((12, 4), np.float32)
+    with pytest.raises(ValueError, match="CUDA varlen kernels are not yet available.*emulate"):
+        cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12],
+                           backend="emulate")
+
+
+def test_dask_and_stats_refuse_packed_batches():
+    da = pytest.importorskip("dask.array")
+    q = np.zeros((12, 4))
+    with pytest.raises(ValueError, match="Dask arrays do not yet take packed batches"):
+        cuonline.attention(da.from_array(q), q, q, cu_seqlens_q=[0, 5, 12],
+                           cu_seqlens_k=[0, 5, 12])
+    with pytest.raises(ValueError, match="attention_stats does not yet take packed batches"):
+        cuonline.attention_stats(q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12])
+
+
+def test_torch_and_jax_inputs_and_bindings():
+    """cuonline.attention answers torch and JAX arrays in kind, boundaries of any library;
+    the differentiable bindings refuse packed batches by name."""
+    torch = pytest.importorskip("torch")
+    _, q, k, v, cq, ck = case(5)
+    ref = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True)
+    out = cuonline.attention(*(torch.from_numpy(x) for x in (q, k, v)),
+                             cu_seqlens_q=torch.from_numpy(cq), cu_seqlens_k=ck, causal=True)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), ref)
+    binding = importlib.import_module("cuonline.torch")
+    with pytest.raises(ValueError, match="torch binding does not yet take packed batches"):
+        binding.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                 cu_seqlens_q=cq, cu_seqlens_k=ck)
+    jnp = pytest.importorskip("jax.numpy")
+    binding = importlib.import_module("cuonline.jax")
+    with pytest.raises(ValueError, match="JAX binding does not yet take packed batches"):
+        binding.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                               cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+
+@pytest.mark.slow
+def test_benchmark_prints_the_three_layouts_agreeing():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_varlen.py"), "--quick"],
+        capture_output=True, text=True, check=True, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
+            for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"layout", "packed", "padded", "loop"}
+    for name in ("packed", "padded", "loop"):
+        cells = [float(c) for c in rows[name]]
+        assert all(c > 0 for c in cells[:2])
+        assert cells[-1] < 1e-5, name                # the same attention, however laid out
