@@ -60,13 +60,7 @@ def test_lengths_tails_and_diagonal(backend, num_sms, causal, lq, lk):
     check(backend, q, k, v, opts, num_sms=num_sms)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", OPTION_NAMES)
-@pytest.mark.parametrize("lq, lk", [(33, 70), (70, 33)])
-def test_each_option_alone(backend, name, lq, lk):
-    q, k, v, opts = make_case(OPTION_NAMES.index(name) * 1000 + lq, batch=(3,), lq=lq, lk=lk,
-                              options=(name,))
-    check(backend, q, k, v, opts)
+# each option alone against the oracle: tests/test_semantics.py, one body for every engine
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,12 +6,23 @@ import warnings
 
 import numpy as np
 
+import pytest
 from oracle import naive_attention, reference_attention
-from support import ACCURACY_FACTOR, check_attention
+from support import ACCURACY_FACTOR, OPTION_NAMES, check_attention, make_case
 
 
 def normal(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("name", OPTION_NAMES)
+@pytest.mark.parametrize("lq, lk", [(33, 70), (70, 33)])
+def test_each_option_alone_against_the_oracle(engine, name, lq, lk):
+    q, k, v, opts = make_case(OPTION_NAMES.index(name) * 1000 + lq, batch=(3,), lq=lq, lk=lk,
+                              options=(name,))
+    opts.pop("return_lse", None)
+    out, lse = engine.attention(q, k, v, return_lse=True, **opts)
+    check_attention(q, k, v, out, lse, opts)
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf(engine, rng):
