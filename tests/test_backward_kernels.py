@@ -451,6 +451,7 @@ print("DONE", g["dq"].shape)
 _MUTANT = next(n for n in sorted(barrier_mutants()) if n.startswith("attention_bwd_simt.cu:"))
 
 
+@needs_emulation   # runs the emulated kernels under TSan: slow, not in the fast tier
 @pytest.mark.parametrize("name", [None, _MUTANT], ids=["correct", "barrier_removed"])
 def test_thread_sanitizer(name):
     sources = barrier_mutant_sources(name) if name else None

@@ -279,6 +279,7 @@ def test_mutants_of_the_terms_fail_the_oracle(name):
 # ThreadSanitizer: the staging of rel_q rows and rel_k bands races with nothing
 
 
+@needs_emulation   # runs the emulated kernels under TSan: slow, not in the fast tier
 def test_relative_terms_are_race_free_under_tsan():
     check_races("""
         import numpy as np

@@ -19,8 +19,7 @@ import pytest
 from mutants import mutant_sources
 from oracle import reference_attention
 from support import (BFLOAT16, OPTION_NAMES, check_attention, check_races, cuda_backend_params,
-                     make_case, needs_emulation, needs_nvrtc, oracle_errors, problem_of, run_mma,
-                     tolerance)
+                     make_case, needs_emulation, needs_nvrtc, oracle_errors, problem_of, run_mma)
 
 from cuonline.kernels import families, heuristics, source
 from cuonline.toolchain import nvrtc
