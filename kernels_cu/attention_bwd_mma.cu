@@ -86,6 +86,7 @@ constexpr int kBlockR = 16 * kWarps;          // owned rows per block
 constexpr int kBlockC = CUONLINE_BLOCK_C;     // streamed rows per tile
 constexpr bool kCpAsync = CUONLINE_CP_ASYNC != 0;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
+constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
 constexpr int kDp = round_up(kD, 16);         // a multiple of every mma k and of 2 n-tiles
 constexpr int kDvp = round_up(kDv, 16);
 constexpr int kNc = kBlockC / 8;              // n-tiles of a score tile (streamed rows)
@@ -323,6 +324,9 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     T* sV = sK + kBlockC * LD::kStride;           // (kBlockC, kDvp)
     Acc* sRq = reinterpret_cast<Acc*>(sQ + kOwnElems + kTileElems);  // (kBlockR, kLdRel)
     Acc* sRk = sRq + kBlockR * kLdRel;            // (kBlockR + kBlockC - 1, kLdRel)
+    // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
+    Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
+    Acc* sGc = sGb + (kHasRelBias ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -412,14 +416,35 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);
-                    if (i < lq && j < lk) {
-                        if constexpr (kWriteDs) ds[(b * lq + i) * lk + j] = g_bias;
-                        if constexpr (kHasRelQk) dc[(b * lq + i) * lk + j] = g_content;
+                    const bool inside = i < lq && j < lk;
+                    if constexpr (kWriteDs) {
+                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
+                    const int at = (warp_row + g + 8 * h) * kLdG + 8 * n + 2 * t + (e & 1);
+                    if constexpr (kHasRelBias) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
 
             // ---- dQ += g K (g rounded to the input type as A)
             mma_wb<LD, kNd>(dq_acc, dp, sK);
+
+            // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
+            if constexpr (kHasRelBias || kHasRelQk) {
+                __syncthreads();
+                const long long tile = b * ((lq + kBlockR - 1) / kBlockR) + i0 / kBlockR;
+                if constexpr (kHasRelBias)
+                    rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,
+                        drel_bias + tile * (2 * rel_bias_radius + 1));
+                if constexpr (kHasRelQk) {
+                    int band_count;
+                    pipe.rel_k_band(i0, kBlockR, j0, kBlockC, band_lo, band_count);
+                    rel_qk_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGc, sRq, sRk, pipe, lq, i0, j0, diagonal_offset, rel_k_radius, band_lo,
+                        band_count, drel_q + (b * lq + i0) * kDr,
+                        drel_k + tile * (2 * rel_k_radius + 1) * kDr);
+                }
+            }
         }
     }
 

@@ -78,6 +78,7 @@ constexpr int kColsDv = (kDv + 31) / 32;      // columns of Dv per lane
 constexpr int kLdD = kD + 1;
 constexpr int kLdDv = kDv + 1;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
+constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
 // The backward's operand table: the forward's (read by the score pipeline), then dO.
 constexpr int kDout = operand::kCount;
 constexpr int kOperands = operand::kCount + 1;
@@ -305,6 +306,9 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc* sV = sK + kBlockC * kLdD;        // (kBlockC, kLdDv)
     Acc* sRq = sV + kBlockC * kLdDv;      // (kBlockR, kLdRel), with rel_qk only
     Acc* sRk = sRq + kBlockR * kLdRel;    // (kBlockR + kBlockC - 1, kLdRel)
+    // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
+    Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
+    Acc* sGc = sGb + (kHasRelBias ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -403,10 +407,13 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
-                    if (i < lq && j < lk) {
-                        if constexpr (kWriteDs) ds[(b * lq + i) * lk + j] = g_bias;
-                        if constexpr (kHasRelQk) dc[(b * lq + i) * lk + j] = g_content;
+                    const bool inside = i < lq && j < lk;
+                    if constexpr (kWriteDs) {
+                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
+                    const int at = (warp * kRows + r) * kLdG + lane + 32 * t;
+                    if constexpr (kHasRelBias) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
             }
 
@@ -430,6 +437,24 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                             for (int c = 0; c < kColsD; ++c) dq_acc[r][c] += g * kv[c];
                         }
                     }
+                }
+            }
+
+            // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
+            if constexpr (kHasRelBias || kHasRelQk) {
+                __syncthreads();
+                const long long tile = b * ((lq + kBlockR - 1) / kBlockR) + i0 / kBlockR;
+                if constexpr (kHasRelBias)
+                    rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,
+                        drel_bias + tile * (2 * rel_bias_radius + 1));
+                if constexpr (kHasRelQk) {
+                    int band_count;
+                    pipe.rel_k_band(i0, kBlockR, j0, kBlockC, band_lo, band_count);
+                    rel_qk_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGc, sRq, sRk, pipe, lq, i0, j0, diagonal_offset, rel_k_radius, band_lo,
+                        band_count, drel_q + (b * lq + i0) * kDr,
+                        drel_k + tile * (2 * rel_k_radius + 1) * kDr);
                 }
             }
         }

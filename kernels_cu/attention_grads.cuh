@@ -52,6 +52,86 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
     return g * scale;
 }
 
+// ---- the relative gradients of one tile, reduced in the kernel (no (lq, lk) workspace)
+//
+// The dQ kernels leave a tile's gradients in shared memory (rows: the queries [i0, i0 + kM),
+// columns: the keys [j0, j0 + kN), row stride kLd, 0 outside (lq, lk)): sGb the bias-type
+// ones (dS), sGc the content ones (dC). A block owns its query tile's slice of the partials,
+// so its key tiles add into it one after another (one thread per element between barriers):
+// a fixed order, no atomics. The host sums the query tiles' partials (drel_q needs none).
+
+// The columns [c_lo, c_hi] of the tile where query i's distance clamps to entry e of a table of
+// radius `radius` (delta = j - i - diag; the end entries take every delta beyond the radius).
+template <int kN>
+__device__ __forceinline__ void clamped_columns(long long i, long long j0, long long diag,
+                                                int radius, int e, int& c_lo, int& c_hi) {
+    const long long first = j0 - i - diag;                  // delta of column 0
+    const long long far = 1LL << 62;
+    long long lo = (e == 0 ? -far : e - radius) - first;
+    long long hi = (e == 2 * radius ? far : e - radius) - first;
+    lo = lo < 0 ? 0 : (lo > kN ? kN : lo);
+    hi = hi > kN - 1 ? kN - 1 : (hi < -1 ? -1 : hi);
+    c_lo = int(lo);
+    c_hi = int(hi);
+}
+
+// part (2 radius + 1) += the tile's dS summed per clamped distance (rel_bias's gradient):
+// each entry by one thread, rows then columns in order.
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void rel_bias_partials(const Acc* sGb, const ScorePipeline<Acc>& pipe,
+                                                  long long i0, long long j0, long long diag,
+                                                  int radius, Acc* part) {
+    const int e_lo = pipe.rel_row(i0 + kM - 1, j0, radius);
+    const int e_hi = pipe.rel_row(i0, j0 + kN - 1, radius);
+    for (int e = e_lo + int(threadIdx.x); e <= e_hi; e += kThreads) {
+        Acc sum = Acc(0);
+        for (int r = 0; r < kM; ++r) {
+            int c_lo, c_hi;
+            clamped_columns<kN>(i0 + r, j0, diag, radius, e, c_lo, c_hi);
+            for (int c = c_lo; c <= c_hi; ++c) sum += sGb[r * kLd + c];
+        }
+        part[e] += sum;
+    }
+}
+
+// The rel_q / rel_k gradients of the tile from its dC (sGc) and the staged sRq (the block's
+// rel_q rows from i0) and sRk (the band of rel_k from row band_lo): drel_q (the block's rows
+// from i0, (kM, kDr) at row stride kDr) += dC rel_k[row], part_k (2 radius + 1, kDr) +=
+// dC rel_q[i] per clamped distance. A zero gradient adds exactly 0 (a table row no visible
+// place uses may hold NaN or inf).
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, const Acc* sRk,
+                                                const ScorePipeline<Acc>& pipe, int lq,
+                                                long long i0, long long j0, long long diag,
+                                                int radius, int band_lo, int band_count,
+                                                Acc* drel_q, Acc* part_k) {
+    for (int idx = threadIdx.x; idx < kM * kDr; idx += kThreads) {
+        const int r = idx / kDr, d = idx - r * kDr;
+        if (i0 + r >= lq) continue;
+        Acc sum = Acc(0);
+        for (int c = 0; c < kN; ++c) {
+            const Acc g = sGc[r * kLd + c];
+            if (g != Acc(0))
+                sum += g * sRk[(pipe.rel_row(i0 + r, j0 + c, radius) - band_lo) * kLdRel + d];
+        }
+        drel_q[r * kDr + d] += sum;
+    }
+    for (int idx = threadIdx.x; idx < band_count * kDr; idx += kThreads) {
+        const int e = band_lo + idx / kDr, d = idx % kDr;
+        Acc sum = Acc(0);
+        for (int r = 0; r < kM; ++r) {
+            int c_lo, c_hi;
+            clamped_columns<kN>(i0 + r, j0, diag, radius, e, c_lo, c_hi);
+            const Acc rq = sRq[r * kLdRel + d];
+            for (int c = c_lo; c <= c_hi; ++c) {
+                const Acc g = sGc[r * kLd + c];
+                if (g != Acc(0)) sum += g * rq;
+            }
+        }
+        part_k[e * kDr + d] += sum;
+    }
+}
+
 }  // namespace cuonline
 
 // The parameters of every backward kernel, in the order cuonline/kernels/arguments.py passes
@@ -73,8 +153,10 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
         CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
         CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
-        CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
+        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null: bias's dS */   \
+        CUONLINE_ACC* __restrict__ drel_bias,     /* (nbatch, n_qtiles, Rb) or null */        \
+        CUONLINE_ACC* __restrict__ drel_q,        /* (nbatch, lq, Dr) or null */              \
+        CUONLINE_ACC* __restrict__ drel_k,        /* (nbatch, n_qtiles, Rk, Dr) or null */    \
         CUONLINE_ACC* __restrict__ row_sums,      /* (nbatch, lq): each row's sum of P */     \
         const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
         const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \

@@ -173,7 +173,8 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
 def _bwd(dtype, d, dv, *, arch, features=()):
     dr = LISTING_DR if "rel_qk" in features else 0
     try:
-        warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr)
+        warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr,
+                                                       "rel_bias" in features)
     except ValueError:
         return None   # does not fit this arch's shared memory: the planner refuses it too
     return AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
@@ -203,7 +204,8 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
 
 def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
     dr = LISTING_DR if "rel_qk" in features else 0
-    warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr)
+    warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr,
+                                                     "rel_bias" in features)
     return AttentionBwdMmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_c=block_c,
                                cp_async=cp_async, write_ds=heuristics.bwd_writes_ds(features),
                                features=features, dr=dr)

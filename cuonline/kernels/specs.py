@@ -108,6 +108,12 @@ class AttentionSpec:
             return 0
         return (2 * self.block_m + self.block_n - 1) * (self.dr + 1) * self.acc_itemsize
 
+    def _grad_tile_bytes(self) -> int:
+        """Shared memory of a backward dQ kernel's in-kernel gradient reductions: one (block_r,
+        block_c + 1) accumulation-type tile of dS with rel_bias and one of dC with rel_qk."""
+        tiles = int("rel_bias" in self.features) + int(self.dr > 0)
+        return tiles * self.block_r * (self.block_c + 1) * self.acc_itemsize
+
     def _dim_parts(self) -> list:
         """``d64``, ``dv64`` and, with rel_qk, ``dr32``: the head widths in a key."""
         return [f"d{self.d}", f"dv{self.dv}"] + ([f"dr{self.dr}"] if self.dr else [])
@@ -427,13 +433,15 @@ class AttentionBwdSimtSpec(AttentionSpec):
         kernel, queries in the dQ kernel) and streams tiles of ``block_c = 32 *
         items_per_lane`` rows of the other kind.
     write_ds : bool
-        The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace,
-        from which the host reduces the bias (block bias, rel_bias) gradients.
+        The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace:
+        the gradient of a bias (summed over the blocks of a block bias by the host). The
+        relative gradients are reduced in the kernel (attention_grads.cuh): rel_bias's into
+        per-query-tile partials, rel_q's per row, rel_k's into per-query-tile partials.
     features, dr
         Keyword-only: the options compiled in, among
         :data:`cuonline.kernels.features.BACKWARD_FEATURES`, and the width of rel_q / rel_k
-        (positive exactly with ``rel_qk``: the dQ kernel then also writes the content
-        gradient dC). ``split`` is always False.
+        (positive exactly with ``rel_qk``: the dQ kernel then also reduces the content
+        gradient dC into the rel_q / rel_k gradients). ``split`` is always False.
     """
 
     dtype: str
@@ -472,7 +480,8 @@ class AttentionBwdSimtSpec(AttentionSpec):
         at dr + 1 per row), in the accumulation type."""
         r, c = self.block_r, self.block_c
         rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
-        return (r * (self.d + self.dv) + c * (self.d + self.dv + 4) + rel) * self.acc_itemsize
+        return ((r * (self.d + self.dv) + c * (self.d + self.dv + 4) + rel)
+                * self.acc_itemsize + self._grad_tile_bytes())
 
     @property
     def key(self) -> str:
@@ -585,7 +594,7 @@ class AttentionBwdMmaSpec(AttentionSpec):
                  * (_smem_stride(dp, itemsize) + _smem_stride(dvp, itemsize)) * itemsize)
         r, c = self.block_r, self.block_c
         rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
-        return tiles + (2 * c + rel) * self.acc_itemsize
+        return tiles + (2 * c + rel) * self.acc_itemsize + self._grad_tile_bytes()
 
     @property
     def key(self) -> str:
