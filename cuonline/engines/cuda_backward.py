@@ -45,9 +45,20 @@ def attention_backward(bp):
     from .._gradients import Gradients  # noqa: PLC0415 - the API's result type
 
     full = gradients(bp.forward, bp.dout, bp.out, bp.lse)
-    # gradient field -> the input it belongs to (BackwardProblem.targets' names)
-    return Gradients(**{field: bp.reduce(name, full[field])
+    xp = bp.forward.xp
+    # gradient field -> the input it belongs to (BackwardProblem.targets' names); the
+    # dimensions an input was broadcast along summed by one reduction each
+    return Gradients(**{field: bp.reduce(name, _sum_broadcast(xp, full[field],
+                                                              bp.targets[name].shape))
                         for field, name in _INPUTS.items() if full[field] is not None})
+
+
+def _sum_broadcast(xp, grad, shape):
+    """``grad`` summed (one reduction, keeping the dimensions) over every dimension along
+    which an input of ``shape`` was broadcast to it."""
+    padded = (1,) * (grad.ndim - len(shape)) + tuple(shape)
+    axes = tuple(a for a, (n, g) in enumerate(zip(padded, grad.shape)) if n == 1 and g != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
 def gradients(p, dout, out, lse):
@@ -135,16 +146,16 @@ def _run(p, dout, out, lse, target):
     def full(x):
         return xp.reshape(x, shape + x.shape[1:])
 
-    result = _zero_result(p, dq=full(dq), dk=full(dk), dv=full(dv))
+    given = dict(dq=full(dq), dk=full(dk), dv=full(dv))
     if ds is not None:
         block = getattr(p, "bias_block", None)
-        result["dbias"] = full(ds) if block is None else block_sums(xp, full(ds), block)
+        given["dbias"] = full(ds) if block is None else block_sums(xp, full(ds), block)
     if rel_bias:
         # the query tiles' partials, summed in one fixed-order reduction
-        result["drel_bias"] = full(drel_bias.sum(axis=1))
+        given["drel_bias"] = full(drel_bias.sum(axis=1))
     if rel_qk:
-        result["drel_q"], result["drel_k"] = full(drel_q), full(drel_k.sum(axis=1))
-    return result
+        given["drel_q"], given["drel_k"] = full(drel_q), full(drel_k.sum(axis=1))
+    return _zero_result(p, **given)
 
 
 #: precision="tf32" rounds q and k to 10 mantissa bits where a family has tensor cores, and not
@@ -222,19 +233,19 @@ def _zero_result(p, **given):
     def zeros(*tail):
         return xp.zeros(shape + tuple(tail), dtype=p.acc_dtype)
 
-    result = dict(dq=zeros(p.lq, p.d), dk=zeros(p.lk, p.d), dv=zeros(p.lk, p.dv), dbias=None,
-                  drel_bias=None, drel_q=None, drel_k=None)
+    tails = dict(dq=(p.lq, p.d), dk=(p.lk, p.d), dv=(p.lk, p.dv))
     if p.bias is not None:
         block = getattr(p, "bias_block", None)
-        result["dbias"] = (zeros(p.lq, p.lk) if block is None else
-                           zeros(-(-p.lq // max(1, min(block[0], max(p.lq, 1)))),
-                                 -(-p.lk // max(1, min(block[1], max(p.lk, 1))))))
+        tails["dbias"] = ((p.lq, p.lk) if block is None else
+                          (-(-p.lq // max(1, min(block[0], max(p.lq, 1)))),
+                           -(-p.lk // max(1, min(block[1], max(p.lk, 1))))))
     if getattr(p, "rel_bias", None) is not None:
-        result["drel_bias"] = zeros(2 * p.rel_bias_radius + 1)
+        tails["drel_bias"] = (2 * p.rel_bias_radius + 1,)
     if getattr(p, "rel_q", None) is not None:
-        result["drel_q"] = zeros(*p.rel_q.shape[-2:])
-        result["drel_k"] = zeros(*p.rel_k.shape[-2:])
-    result.update(given)
+        tails["drel_q"], tails["drel_k"] = p.rel_q.shape[-2:], p.rel_k.shape[-2:]
+    result = dict.fromkeys(("dq", "dk", "dv", "dbias", "drel_bias", "drel_q", "drel_k"))
+    for name, tail in tails.items():
+        result[name] = given[name] if name in given else zeros(*tail)
     return result
 
 
