@@ -204,8 +204,11 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
 
 def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
     dr = LISTING_DR if "rel_qk" in features else 0
-    warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr,
-                                                     "rel_bias" in features)
+    try:
+        warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr,
+                                                         "rel_bias" in features)
+    except ValueError:
+        return None   # does not fit this arch (float64 with every option on sm_80): SIMT runs it
     return AttentionBwdMmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_c=block_c,
                                cp_async=cp_async, write_ds=heuristics.bwd_writes_ds(features),
                                features=features, dr=dr)
