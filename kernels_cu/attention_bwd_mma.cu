@@ -87,6 +87,9 @@ constexpr int kBlockC = CUONLINE_BLOCK_C;     // streamed rows per tile
 constexpr bool kCpAsync = CUONLINE_CP_ASYNC != 0;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
 constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
+// the dQ kernel reduces dS in shared memory (rel_bias, block bias; a plain bias writes it)
+constexpr bool kBiasTile = kHasRelBias || kHasBiasBlock;
+static_assert(!(kWriteDs && kHasBiasBlock), "a block bias's dS is reduced, never written");
 constexpr int kDp = round_up(kD, 16);         // a multiple of every mma k and of 2 n-tiles
 constexpr int kDvp = round_up(kDv, 16);
 constexpr int kNc = kBlockC / 8;              // n-tiles of a score tile (streamed rows)
@@ -326,7 +329,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc* sRk = sRq + kBlockR * kLdRel;            // (kBlockR + kBlockC - 1, kLdRel)
     // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
     Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
-    Acc* sGc = sGb + (kHasRelBias ? kBlockR * kLdG : 0);
+    Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -421,7 +424,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                         if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
                     const int at = (warp_row + g + 8 * h) * kLdG + 8 * n + 2 * t + (e & 1);
-                    if constexpr (kHasRelBias) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
                     if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
 
@@ -429,9 +432,19 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             mma_wb<LD, kNd>(dq_acc, dp, sK);
 
             // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
-            if constexpr (kHasRelBias || kHasRelQk) {
+            if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
-                const long long tile = b * ((lq + kBlockR - 1) / kBlockR) + i0 / kBlockR;
+                const int n_tiles = (lq + kBlockR - 1) / kBlockR;
+                const long long tile = b * n_tiles + i0 / kBlockR;
+                if constexpr (kHasBiasBlock) {
+                    const int slots = block_bias_slots<kBlockR>(bias_block_rows, n_tiles);
+                    const long long grad = (long long)((lq + bias_block_rows - 1) /
+                                                       bias_block_rows) *
+                                           ((lk + bias_block_cols - 1) / bias_block_cols);
+                    block_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGb, lq, lk, i0, j0, bias_block_rows, bias_block_cols,
+                        ds + (b * slots + (i0 / kBlockR) % slots) * grad);
+                }
                 if constexpr (kHasRelBias)
                     rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
                         sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,

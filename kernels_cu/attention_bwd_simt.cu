@@ -79,6 +79,9 @@ constexpr int kLdD = kD + 1;
 constexpr int kLdDv = kDv + 1;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
 constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
+// the dQ kernel reduces dS in shared memory (rel_bias, block bias; a plain bias writes it)
+constexpr bool kBiasTile = kHasRelBias || kHasBiasBlock;
+static_assert(!(kWriteDs && kHasBiasBlock), "a block bias's dS is reduced, never written");
 // The backward's operand table: the forward's (read by the score pipeline), then dO.
 constexpr int kDout = operand::kCount;
 constexpr int kOperands = operand::kCount + 1;
@@ -308,7 +311,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc* sRk = sRq + kBlockR * kLdRel;    // (kBlockR + kBlockC - 1, kLdRel)
     // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
     Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
-    Acc* sGc = sGb + (kHasRelBias ? kBlockR * kLdG : 0);
+    Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -412,7 +415,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                         if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
                     const int at = (warp * kRows + r) * kLdG + lane + 32 * t;
-                    if constexpr (kHasRelBias) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
                     if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
             }
@@ -441,9 +444,19 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             }
 
             // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
-            if constexpr (kHasRelBias || kHasRelQk) {
+            if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
-                const long long tile = b * ((lq + kBlockR - 1) / kBlockR) + i0 / kBlockR;
+                const int n_tiles = (lq + kBlockR - 1) / kBlockR;
+                const long long tile = b * n_tiles + i0 / kBlockR;
+                if constexpr (kHasBiasBlock) {
+                    const int slots = block_bias_slots<kBlockR>(bias_block_rows, n_tiles);
+                    const long long grad = (long long)((lq + bias_block_rows - 1) /
+                                                       bias_block_rows) *
+                                           ((lk + bias_block_cols - 1) / bias_block_cols);
+                    block_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                        sGb, lq, lk, i0, j0, bias_block_rows, bias_block_cols,
+                        ds + (b * slots + (i0 / kBlockR) % slots) * grad);
+                }
                 if constexpr (kHasRelBias)
                     rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
                         sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,

@@ -56,7 +56,7 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
 //
 // The dQ kernels leave a tile's gradients in shared memory (rows: the queries [i0, i0 + kM),
 // columns: the keys [j0, j0 + kN), row stride kLd, 0 outside (lq, lk)): sGb the bias-type
-// ones (dS), sGc the content ones (dC). A block owns its query tile's slice of the partials,
+// ones (dS: rel_bias, block bias), sGc the content ones (dC). A block owns its query tile's slice of the partials,
 // so its key tiles add into it one after another (one thread per element between barriers):
 // a fixed order, no atomics. The host sums the query tiles' partials (drel_q needs none).
 
@@ -91,6 +91,39 @@ __device__ __forceinline__ void rel_bias_partials(const Acc* sGb, const ScorePip
             for (int c = c_lo; c <= c_hi; ++c) sum += sGb[r * kLd + c];
         }
         part[e] += sum;
+    }
+}
+
+// How many slots of partials a block bias of `rows` rows per block needs so that two query
+// tiles of kM rows sharing a slot never share a block row (tile t writes slot t % slots): one
+// where the blocks tile the query tiles, else one more than the tiles a block row may span.
+template <int kM>
+__host__ __device__ __forceinline__ int block_bias_slots(int rows, int n_tiles) {
+    const int slots = (rows <= kM && kM % rows == 0) ? 1 : (rows - 1) / kM + 2;
+    return slots < n_tiles ? slots : n_tiles;
+}
+
+// part (ceil(lq / r), ceil(lk / c)), this block's slot, += the tile's dS summed over each
+// (r, c) block it meets (a block bias's gradient): each block by one thread, in row order.
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void block_bias_partials(const Acc* sGb, int lq, int lk, long long i0,
+                                                    long long j0, int r, int c, Acc* part) {
+    const long long i_end = i0 + kM < lq ? i0 + kM : lq;
+    const long long j_end = j0 + kN < lk ? j0 + kN : lk;
+    if (i0 >= i_end || j0 >= j_end) return;
+    const long long row0 = i0 / r, col0 = j0 / c;
+    const int n_rows = int((i_end - 1) / r - row0 + 1), n_cols = int((j_end - 1) / c - col0 + 1);
+    const long long cols = (lk + c - 1) / c;   // the gradient's row length
+    for (int idx = threadIdx.x; idx < n_rows * n_cols; idx += kThreads) {
+        const long long br = row0 + idx / n_cols, bc = col0 + idx % n_cols;
+        const long long r_lo = br * r > i0 ? br * r : i0;
+        const long long r_hi = (br + 1) * r < i_end ? (br + 1) * r : i_end;
+        const long long c_lo = bc * c > j0 ? bc * c : j0;
+        const long long c_hi = (bc + 1) * c < j_end ? (bc + 1) * c : j_end;
+        Acc sum = Acc(0);
+        for (int rr = int(r_lo - i0); rr < int(r_hi - i0); ++rr)
+            for (int cc = int(c_lo - j0); cc < int(c_hi - j0); ++cc) sum += sGb[rr * kLd + cc];
+        part[br * cols + bc] += sum;
     }
 }
 
@@ -153,7 +186,9 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
         CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
         CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null: bias's dS */   \
+        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS; a block  \
+                                                     bias's (nbatch, slots, ceil(lq / r),     \
+                                                     ceil(lk / c)) partials; or null */       \
         CUONLINE_ACC* __restrict__ drel_bias,     /* (nbatch, n_qtiles, Rb) or null */        \
         CUONLINE_ACC* __restrict__ drel_q,        /* (nbatch, lq, Dr) or null */              \
         CUONLINE_ACC* __restrict__ drel_k,        /* (nbatch, n_qtiles, Rk, Dr) or null */    \

@@ -12,10 +12,9 @@ module (the target compiles the family's text) -> typed arguments
 
 Host work, all in a fixed order (no atomics, no reduction whose order depends on scheduling,
 so two runs give bitwise identical gradients): ``Delta_i = rowsum(dO_i * O_i)`` in the
-accumulation dtype, the sums over broadcast dimensions (one reduction per gradient), a block
-bias's blocks summed from the dS workspace, and the query tiles' partials of the relative
-gradients summed. No array of Lq x Lk places is allocated unless it is the gradient (a bias):
-the dQ kernel reduces rel_bias's and rel_q/rel_k's gradients per query tile
+accumulation dtype, the sums over broadcast dimensions (one reduction per gradient), and the
+sums of the kernels' partials (a block bias's slots, the query tiles' relative partials). No array of Lq x Lk places is allocated unless it is the gradient (a bias):
+the dQ kernel reduces a block bias's, rel_bias's and rel_q/rel_k's gradients per tile
 (``kernels_cu/attention_grads.cuh``). The dQ kernel also sums each row's weights P; an ``lse`` under
 which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
@@ -31,7 +30,7 @@ from ..kernels import arguments, families, features, heuristics
 from ..kernels.specs import AttentionBwdMmaSpec
 from . import target as _target
 
-__all__ = ["attention_backward", "block_sums", "gradients"]
+__all__ = ["attention_backward", "block_bias_slots", "gradients"]
 
 #: Gradient fields of the per-batch result and of Gradients -> the input each belongs to.
 _INPUTS = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias", "drel_bias": "rel_bias",
@@ -83,7 +82,7 @@ def _run(p, dout, out, lse, target):
     shape = p.batch_shape
     dout = xp.broadcast_to(dout, shape + (p.lq, p.dv))
     out = xp.broadcast_to(out, shape + (p.lq, p.dv))
-    want_ds = heuristics.bwd_writes_ds(_bias_terms(p))
+    want_ds = heuristics.bwd_writes_ds(features.backward_of_problem(p))
     rel_bias = getattr(p, "rel_bias", None) is not None
     rel_qk = _has_rel_qk(p)
     if p.nbatch == 0 or p.lq == 0 or p.lk == 0:
@@ -121,10 +120,21 @@ def _run(p, dout, out, lse, target):
     dk = xp.empty((nb, p.lk, p.d), dtype=acc)
     dv = xp.empty((nb, p.lk, p.dv), dtype=acc)
     # dS only where it is the gradient (a bias: its places outside every query tile's key
-    # loop are never written, so zero from the start); the relative gradients are reduced
-    # in the kernels into per-query-tile partials (drel_q: per row), which the key tiles add to
-    ds = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_ds else None
+    # loop are never written, so zero from the start); the other gradients are reduced in the
+    # kernels into partials (zero from the start), which the key tiles add to: a block bias's
+    # per block in `slots` copies (query tiles sharing a block row write different ones), the
+    # relative ones per query tile (drel_q: per row)
     tiles = -(-p.lq // plan.spec.block_r)
+    block = getattr(p, "bias_block", None)
+    slots = 0
+    if want_ds:
+        ds = xp.zeros((nb, p.lq, p.lk), dtype=acc)
+    elif p.bias is not None:
+        rows, cols = (min(n, max(size, 1)) for n, size in zip(block, (p.lq, p.lk)))
+        slots = block_bias_slots(rows, plan.spec.block_r, tiles)
+        ds = xp.zeros((nb, slots, -(-p.lq // rows), -(-p.lk // cols)), dtype=acc)
+    else:
+        ds = None
     drel_bias = (xp.zeros((nb, tiles, 2 * p.rel_bias_radius + 1), dtype=acc)
                  if rel_bias else None)
     drel_q = xp.zeros((nb, p.lq, p.dr), dtype=acc) if rel_qk else None
@@ -148,8 +158,8 @@ def _run(p, dout, out, lse, target):
 
     given = dict(dq=full(dq), dk=full(dk), dv=full(dv))
     if ds is not None:
-        block = getattr(p, "bias_block", None)
-        given["dbias"] = full(ds) if block is None else block_sums(xp, full(ds), block)
+        # a block bias: its slots summed in one fixed-order reduction
+        given["dbias"] = full(ds) if not slots else full(ds.sum(axis=1))
     if rel_bias:
         # the query tiles' partials, summed in one fixed-order reduction
         given["drel_bias"] = full(drel_bias.sum(axis=1))
@@ -212,12 +222,6 @@ def _plan(p, dout, target, want_ds):
     return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
 
 
-def _bias_terms(p):
-    """The bias-type terms ``p`` has (their gradient is dS, reduced)."""
-    return tuple(n for n, x in (("bias", p.bias), ("rel_bias", getattr(p, "rel_bias", None)))
-                 if x is not None)
-
-
 def _has_rel_qk(p):
     """Whether ``p`` has the rel_q · rel_k term (Dr = 0 adds exactly 0: no gradient flows)."""
     return getattr(p, "rel_q", None) is not None and p.dr > 0
@@ -249,14 +253,10 @@ def _zero_result(p, **given):
     return result
 
 
-def block_sums(xp, ds, block):
-    """``ds`` ``(..., lq, lk)`` summed over blocks of ``block = (r, c)`` places: ``(...,
-    ceil(lq / r), ceil(lk / c))`` (a block cut by the edge sums what it has)."""
-    lq, lk = ds.shape[-2:]
-    # a block taller (wider) than the places is one block, as in the forward's arguments:
-    # clipped, the padding below stays under one block of the places' own size
-    r, c = min(block[0], max(lq, 1)), min(block[1], max(lk, 1))
-    rows, cols = -(-lq // r), -(-lk // c)
-    padded = xp.zeros(ds.shape[:-2] + (rows * r, cols * c), dtype=ds.dtype)
-    padded[..., :lq, :lk] = ds
-    return padded.reshape(ds.shape[:-2] + (rows, r, cols, c)).sum(axis=(-3, -1))
+def block_bias_slots(rows, block_r, n_tiles):
+    """How many copies of a block bias's gradient the dQ kernel adds into
+    (``block_bias_slots`` in ``kernels_cu/attention_grads.cuh``): query tile t of ``block_r``
+    rows writes copy ``t % slots``, and two tiles that share a block of ``rows`` rows never
+    share a copy. One where the blocks tile the query tiles."""
+    slots = 1 if rows <= block_r and block_r % rows == 0 else (rows - 1) // block_r + 2
+    return min(slots, n_tiles)

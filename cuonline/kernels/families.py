@@ -18,7 +18,7 @@ from typing import Callable
 from . import arguments, features, heuristics, softmax_plan
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
 from .specs import (SOFTMAX_MODES, AttentionBwdMmaSpec, AttentionBwdSimtSpec, AttentionMmaSpec,
-                    AttentionSimtSpec, SoftmaxSpec, acc_name)
+                    AttentionSimtSpec, SoftmaxSpec, acc_name, bwd_bias_tile)
 
 __all__ = ["FAMILIES", "Family", "backward_family", "entries_of", "files_of", "forward_families",
            "get", "of", "listing_specs", "plan_attention", "select_forward"]
@@ -174,7 +174,7 @@ def _bwd(dtype, d, dv, *, arch, features=()):
     dr = LISTING_DR if "rel_qk" in features else 0
     try:
         warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr,
-                                                       "rel_bias" in features)
+                                                       bwd_bias_tile(features))
     except ValueError:
         return None   # does not fit this arch's shared memory: the planner refuses it too
     return AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
@@ -206,7 +206,7 @@ def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
     dr = LISTING_DR if "rel_qk" in features else 0
     try:
         warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr,
-                                                         "rel_bias" in features)
+                                                         bwd_bias_tile(features))
     except ValueError:
         return None   # does not fit this arch (float64 with every option on sm_80): SIMT runs it
     return AttentionBwdMmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_c=block_c,

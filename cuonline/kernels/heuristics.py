@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import features
-from .specs import MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name, dtype_name
+from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
+                    bwd_bias_tile, dtype_name)
 
 __all__ = ["BwdPlan", "COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES",
            "MmaTiles", "Plan", "arch_number", "bwd_smem_limit", "bwd_uses_mma",
@@ -448,21 +449,22 @@ def bwd_smem_limit(arch: str = DEFAULT_ARCH) -> int:
     return mma_smem_limit(arch)
 
 
-def _bwd_shared_bytes(block_r, block_c, d, dv, acc_bytes, dr=0, rel_bias=False):
+def _bwd_shared_bytes(block_r, block_c, d, dv, acc_bytes, dr=0, bias_tile=False):
     # AttentionBwdSimtSpec.shared_bytes (with AttentionSpec._grad_tile_bytes)
     rel = (max(block_r, block_c) + block_r + block_c - 1) * (dr + 1) if dr else 0
-    grads = (int(rel_bias) + int(dr > 0)) * block_r * (block_c + 1)
+    grads = (int(bias_tile) + int(dr > 0)) * block_r * (block_c + 1)
     return (block_r * (d + dv) + block_c * (d + dv + 4) + rel + grads) * acc_bytes
 
 
-def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, rel_bias=False):
+def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     """Return ``(warps, rows_per_warp, items_per_lane)`` of the SIMT backward family.
 
     A block owns ``warps * rows_per_warp`` rows (keys for dK/dV, queries for dQ) and streams
     tiles of ``32 * items_per_lane`` rows of the other kind. Raises ValueError when even one
     row per warp needs more shared memory than ``arch`` allows (float64 heads above 128 below
     sm_80). ``dr``: the width of rel_q / rel_k (rel_qk), whose staging takes shared memory;
-    ``rel_bias``: the dQ kernel reduces rel_bias's gradient (a tile of dS in shared memory).
+    ``bias_tile``: the dQ kernel reduces dS in shared memory
+    (:func:`cuonline.kernels.specs.bwd_bias_tile`: rel_bias or a block bias).
     """
     name = dtype_name(dtype)
     acc_bytes = np.dtype(acc_name(name)).itemsize
@@ -486,14 +488,14 @@ def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, rel_bias=False):
     per = 2
     if (rows * per * 2 * words > 16
             or _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr,
-                                 rel_bias) > SMEM_NO_OPT_IN):
+                                 bias_tile) > SMEM_NO_OPT_IN):
         per = 1
     # Large heads: fewer owned rows until the block fits beside another one on an SM
     # (SMEM_MAX), then, with one row per warp, the arch's opt-in limit.
     while rows > 1 and _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes,
-                                         dr, rel_bias) > simt_smem_limit(arch):
+                                         dr, bias_tile) > simt_smem_limit(arch):
         rows //= 2
-    need = _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr, rel_bias)
+    need = _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr, bias_tile)
     limit = bwd_smem_limit(arch)
     if need > limit:
         raise ValueError(
@@ -529,7 +531,7 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     names = features.backward_of_problem(problem)
     dr = problem.dr if "rel_qk" in names else 0
     warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, arch, dr,
-                                        "rel_bias" in names)
+                                        bwd_bias_tile(names))
     if write_ds is None:
         write_ds = bwd_writes_ds(names)
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
@@ -545,15 +547,11 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
                    block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
 
 
-#: The backward features whose gradient is dS itself (the dQ kernel writes it; the host sums a
-#: block bias's blocks). rel_bias's and rel_q/rel_k's are reduced in the kernel.
-BWD_DS_FEATURES = ("bias",)
-
-
 def bwd_writes_ds(names) -> bool:
-    """Whether a backward variant with features ``names`` writes dS (a bias or block bias
-    gradient is wanted)."""
-    return any(n in BWD_DS_FEATURES for n in names)
+    """Whether a backward variant with features ``names`` writes dS per place: a plain bias,
+    whose gradient it is. A block bias's, rel_bias's and rel_q/rel_k's gradients are reduced
+    in the kernel."""
+    return "bias" in names and "bias_block" not in names
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,17 +577,17 @@ def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest",
     limit = MMA_BWD_MAX_HEAD_DIM.get(name, 0)
     return (max(d, dv) <= limit
             and all(n in features.MMA_BACKWARD_FEATURES for n in names)
-            and _bwd_mma_block(name, d, dv, arch, dr, "rel_bias" in names)[2]
+            and _bwd_mma_block(name, d, dv, arch, dr, bwd_bias_tile(names))[2]
             <= mma_smem_limit(arch))
 
 
-def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, rel_bias=False):
+def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     """Return ``(warps, block_c)`` of the tensor-core backward: 4 warps own 64 rows (16
     each: the mma's m); streamed tiles of 64 rows up to D = Dv = 64 and of 32 above, where
     dK and dV of 16 keys take (D + Dv) / 2 accumulators per lane and the transposed scores and
     dP another block_c (float64: two registers per accumulator, so 32-row tiles, 16 above
     D = 32). ValueError where the block does not fit ``arch``."""
-    warps, block_c, need = _bwd_mma_block(dtype, d, dv, arch, dr, rel_bias)
+    warps, block_c, need = _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile)
     limit = mma_smem_limit(arch)
     if need > limit:
         raise ValueError(
@@ -599,7 +597,7 @@ def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, rel_bias=False):
     return warps, block_c
 
 
-def _bwd_mma_block(dtype, d, dv, arch, dr, rel_bias=False):
+def _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile=False):
     """``(warps, block_c, shared bytes)`` of the tensor-core backward's block (see
     :func:`choose_bwd_mma_tiles`), whether or not it fits ``arch``."""
     from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
@@ -608,7 +606,7 @@ def _bwd_mma_block(dtype, d, dv, arch, dr, rel_bias=False):
         block_c = 32 if max(d, dv) <= 32 else 16
     else:
         block_c = 64 if max(d, dv) <= 64 else 32
-    names = (("rel_bias",) if rel_bias else ()) + (("rel_qk",) if dr else ())
+    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
     rel = dict(features=names, dr=dr)
     need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=WARPS,
                                block_c=block_c, **rel).shared_bytes
@@ -629,7 +627,7 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
                          f"Dv = {problem.dv}{f', Dr = {dr}' if dr else ''} with {names} on "
                          f"{arch}")
     warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr,
-                                          "rel_bias" in names)
+                                          bwd_bias_tile(names))
     if write_ds is None:
         write_ds = bwd_writes_ds(names)
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,

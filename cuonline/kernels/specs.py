@@ -42,6 +42,12 @@ def acc_name(dtype) -> str:
     return _semantics.accumulation_dtype("float16" if name == "bfloat16" else name).name
 
 
+def bwd_bias_tile(names) -> bool:
+    """Whether a backward dQ kernel with features ``names`` reduces dS in shared memory
+    (rel_bias, block bias: their gradients are sums of dS); a plain bias writes dS itself."""
+    return "rel_bias" in names or "bias_block" in names
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
     """What every attention variant has: the option flags of
@@ -110,8 +116,9 @@ class AttentionSpec:
 
     def _grad_tile_bytes(self) -> int:
         """Shared memory of a backward dQ kernel's in-kernel gradient reductions: one (block_r,
-        block_c + 1) accumulation-type tile of dS with rel_bias and one of dC with rel_qk."""
-        tiles = int("rel_bias" in self.features) + int(self.dr > 0)
+        block_c + 1) accumulation-type tile of dS with rel_bias or a block bias
+        (:func:`bwd_bias_tile`) and one of dC with rel_qk."""
+        tiles = int(bwd_bias_tile(self.features)) + int(self.dr > 0)
         return tiles * self.block_r * (self.block_c + 1) * self.acc_itemsize
 
     def _dim_parts(self) -> list:
@@ -434,9 +441,9 @@ class AttentionBwdSimtSpec(AttentionSpec):
         items_per_lane`` rows of the other kind.
     write_ds : bool
         The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace:
-        the gradient of a bias (summed over the blocks of a block bias by the host). The
-        relative gradients are reduced in the kernel (attention_grads.cuh): rel_bias's into
-        per-query-tile partials, rel_q's per row, rel_k's into per-query-tile partials.
+        the gradient of a (plain) bias. The other gradients are reduced in the kernel
+        (attention_grads.cuh): a block bias's into slots of per-block sums, rel_bias's and
+        rel_k's into per-query-tile partials, rel_q's per row.
     features, dr
         Keyword-only: the options compiled in, among
         :data:`cuonline.kernels.features.BACKWARD_FEATURES`, and the width of rel_q / rel_k
