@@ -11,6 +11,7 @@ every variant is the same ``.cu`` text specialised by constants, never a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -105,6 +106,33 @@ class AttentionSpec:
             raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
                              f"feature and 0 without it, got dr={self.dr!r} with features "
                              f"{self.features!r}")
+
+    if TYPE_CHECKING:
+        # What every family's spec declares (a field, or a property where derived), read by
+        # the shared methods below; declared here for the type checker only, so that the
+        # dataclass fields and their order stay the families' own.
+        @property
+        def dtype(self) -> str: ...
+        @property
+        def acc(self) -> str: ...
+        @property
+        def d(self) -> int: ...
+        @property
+        def dv(self) -> int: ...
+        @property
+        def warps(self) -> int: ...
+        @property
+        def block_m(self) -> int: ...
+        @property
+        def block_n(self) -> int: ...
+        @property
+        def block_r(self) -> int: ...
+        @property
+        def block_c(self) -> int: ...
+
+    def _tile_defines(self) -> dict:
+        """The family's tile parameters as ``#define`` name -> value."""
+        raise NotImplementedError(f"{type(self).__name__} defines no tile parameters")
 
     def _rel_shared_bytes(self) -> int:
         """Shared memory of the rel_qk staging, in the accumulation type: the query tile's
