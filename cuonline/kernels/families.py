@@ -297,6 +297,7 @@ FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, ATTENTION_
             ATTENTION_BWD_MMA, SOFTMAX)
 _BY_NAME = {f.name: f for f in FAMILIES}
 assert set(features.FORWARD_FAMILIES) == {f.name for f in FAMILIES if f.runs is not None}
+assert set(features.BACKWARD_FAMILIES) == {ATTENTION_BWD_SIMT.name, ATTENTION_BWD_MMA.name}
 
 
 def get(name: str) -> Family:

@@ -192,10 +192,11 @@ class Plan:
     shared_bytes: int
 
 
-def _shared_bytes(block_m, block_n, d, dv, acc_bytes, dr=0):
-    # AttentionSimtSpec.shared_bytes: sQ, sKV, and with rel_qk the rel_q rows and rel_k band
-    rel = (2 * block_m + block_n - 1) * (dr + 1) if dr else 0
-    return (block_m * d + block_n * (max(d, dv) + 1) + rel) * acc_bytes
+def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
+    """Shared memory of the SIMT forward block of these tiles: its spec's own count."""
+    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+    return AttentionSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
+                             rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
 
 
 def relative_dr(problem) -> int:
@@ -227,10 +228,9 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
             rows //= 2
         # the winner was measured without rel_qk: its staging may not fit beside it
         limit = simt_smem_limit(arch)
-        acc_bytes = np.dtype(acc_name(name)).itemsize
-        while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
+        while rows > 1 and _simt_smem(name, d, dv, warps, rows, keys, dr) > limit:
             rows //= 2
-        if _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) <= limit:
+        if _simt_smem(name, d, dv, warps, rows, keys, dr) <= limit:
             return warps, rows, keys
     acc_bytes = np.dtype(acc_name(name)).itemsize
     words = acc_bytes // 4
@@ -261,15 +261,15 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     # use them while the block stays within the no-opt-in shared budget and the scores stay
     # within 16 registers (double scores take two; sm_80's ptxas spilled f64 8x2 at d=32).
     keys = 2
-    if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes, dr) > SMEM_NO_OPT_IN
+    if (_simt_smem(name, d, dv, warps, rows, 2, dr) > SMEM_NO_OPT_IN
             or rows * 2 * words > 16):
         keys = 1
     # Large heads in double: shrink the query tile until the block fits next to another one
     # (and within the arch's opt-in limit: sm_75 allows 64 KiB).
     limit = simt_smem_limit(arch)
-    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
+    while rows > 1 and _simt_smem(name, d, dv, warps, rows, keys, dr) > limit:
         rows //= 2
-    need = _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr)
+    need = _simt_smem(name, d, dv, warps, rows, keys, dr)
     if need > limit and dr:
         # rel_qk's staging beside the largest heads (float64 D = 256 at one row: 85 KiB): one
         # block per SM, up to the arch's opt-in limit, rather than refusing the call
@@ -449,11 +449,14 @@ def bwd_smem_limit(arch: str = DEFAULT_ARCH) -> int:
     return mma_smem_limit(arch)
 
 
-def _bwd_shared_bytes(block_r, block_c, d, dv, acc_bytes, dr=0, bias_tile=False):
-    # AttentionBwdSimtSpec.shared_bytes (with AttentionSpec._grad_tile_bytes)
-    rel = (max(block_r, block_c) + block_r + block_c - 1) * (dr + 1) if dr else 0
-    grads = (int(bias_tile) + int(dr > 0)) * block_r * (block_c + 1)
-    return (block_r * (d + dv) + block_c * (d + dv + 4) + rel + grads) * acc_bytes
+def _bwd_simt_smem(name, d, dv, warps, rows, per, dr=0, bias_tile=False):
+    """Shared memory of the SIMT backward block of these tiles: its spec's own count."""
+    from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
+
+    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
+    return AttentionBwdSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
+                                rows_per_warp=rows, items_per_lane=per, features=names,
+                                dr=dr).shared_bytes
 
 
 def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
@@ -487,15 +490,14 @@ def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     # no-opt-in budget.
     per = 2
     if (rows * per * 2 * words > 16
-            or _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr,
-                                 bias_tile) > SMEM_NO_OPT_IN):
+            or _bwd_simt_smem(name, d, dv, warps, rows, per, dr, bias_tile) > SMEM_NO_OPT_IN):
         per = 1
     # Large heads: fewer owned rows until the block fits beside another one on an SM
     # (SMEM_MAX), then, with one row per warp, the arch's opt-in limit.
-    while rows > 1 and _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes,
-                                         dr, bias_tile) > simt_smem_limit(arch):
+    while rows > 1 and _bwd_simt_smem(name, d, dv, warps, rows, per, dr,
+                                      bias_tile) > simt_smem_limit(arch):
         rows //= 2
-    need = _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr, bias_tile)
+    need = _bwd_simt_smem(name, d, dv, warps, rows, per, dr, bias_tile)
     limit = bwd_smem_limit(arch)
     if need > limit:
         raise ValueError(

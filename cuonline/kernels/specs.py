@@ -492,7 +492,7 @@ class AttentionBwdSimtSpec(AttentionSpec):
 
     def __post_init__(self):
         self._check_simt_shape()
-        self._check_features(_features.BACKWARD_FEATURES, split=False)
+        self._check_features(split=False)
 
     @property
     def block_r(self) -> int:
@@ -592,7 +592,7 @@ class AttentionBwdMmaSpec(AttentionSpec):
         if not 1 <= self.warps <= 8 or self.block_c % 16 or not 16 <= self.block_c <= 128:
             raise ValueError(f"bad tile shape of {self.family}: warps={self.warps}, "
                              f"block_c={self.block_c}")
-        self._check_features(_features.MMA_BACKWARD_FEATURES, split=False)
+        self._check_features(split=False)
 
     @property
     def acc(self) -> str:
