@@ -60,6 +60,9 @@ def cases(length, heads, rng=np.random.default_rng(1)):
         "no bias-type term": {},
         "head-shared bias (1, L, L)": dict(bias=rng.standard_normal((1, length, length))
                                            .astype(np.float32)),
+        "block bias (1, L/8, L/8), 8x8 blocks": dict(
+            bias=rng.standard_normal((1, length // 8, length // 8)).astype(np.float32),
+            bias_block=8),
         "rel_bias, radius L - 1": dict(rel_bias=rng.standard_normal(2 * length - 1)
                                        .astype(np.float32)),
         "rel_q/rel_k, Dr 16, radius L - 1": dict(
