@@ -18,11 +18,11 @@
 //                                  dQ), a multiple of 16
 //   CUONLINE_CP_ASYNC              1: q, k, v, dout rows are 16-byte aligned with unit column
 //                                  stride and go global -> shared by cp.async; 0: element-wise
-//   CUONLINE_WRITE_DS, CUONLINE_DR as attention_bwd_simt.cu (the dS and dC workspaces)
+//   CUONLINE_WRITE_DS, CUONLINE_DR as attention_bwd_simt.cu (dS written; dS, dC reduced)
 //
 // The math, as attention_bwd_simt.cu (Delta from the host, P recomputed from lse):
 //   P = exp(s - lse)  dV = P^T dO  dP = dO V^T  dS = P * (dP - Delta)  (soft caps: chain rule)
-//   dQ = scale g K    dK = scale g^T Q          dbias = g (ds)         dC (dc, with rel_qk)
+//   dQ = scale g K    dK = scale g^T Q          dbias = g (ds)         dC (with rel_qk)
 // Every product is an mma on the forward's fragments (Ops<T>); the operands that are results
 // (P, g) stay in registers: the C layout of two 16x8 accumulator tiles is the A layout of one
 // k-step (Ops::p_to_a, rounded to the input type as the forward rounds P), so
@@ -48,8 +48,9 @@
 //     kBlockR keys stay in registers through the loop over the query tiles that may see them.
 //   cuonline_attention_bwd_mma_dq: grid.x = nbatch * n_query_tiles (the heaviest causal tiles
 //     first, block_range); dQ stays in registers; with kWriteDs each place of the loop's tiles
-//     writes g into ds (and with rel_qk its content gradient into dc); each query row's sum
-//     of P goes to row_sums, for the host's check of lse.
+//     writes g into ds; with a block bias, rel_bias or rel_qk the tile's g (and its content
+//     gradient dC) go to shared memory and are reduced there, as attention_bwd_simt.cu; each
+//     query row's sum of P goes to row_sums, for the host's check of lse.
 // Shared memory (dynamic; element type T in tensor_core.cuh's SmemTile layouts, then Acc):
 //   dK/dV: sK (kBlockR, kDp), sV (kBlockR, kDvp)  the owned keys, loaded once
 //          sQ (kBlockC, kDp), sdO (kBlockC, kDvp) a query tile
@@ -57,9 +58,11 @@
 //   dQ:    sQ (kBlockR, kDp), sdO (kBlockR, kDvp) the owned queries, loaded once
 //          sK (kBlockC, kDp), sV (kBlockC, kDvp)  a key tile
 //   with rel_qk, as attention_bwd_simt.cu: sRq (the tile's or the block's rel_q rows) and sRk
-//   (the band of rel_k the tile's distances reach), Acc, behind the same barriers.
+//   (the band of rel_k the tile's distances reach), Acc, behind the same barriers; the dQ
+//   kernel's sGb (dS: block bias, rel_bias) and sGc (dC: rel_qk), (kBlockR, kBlockC + 1) Acc.
 // Operands are addressed through the offset table of attention_bwd_simt.cu: the forward's
-// operands, then dout (op = kCount); dq, dk, dv, ds, dc contiguous in the accumulation type.
+// operands, then dout (op = kCount); dq, dk, dv, ds and the partials contiguous in the
+// accumulation type.
 
 #ifndef CUONLINE_BLOCK_C
 #error "attention_bwd_mma.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
@@ -313,7 +316,7 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     write_tile<kDv>(dv, dv_acc, b * lk, j0 + warp_row, lk);
 }
 
-// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; rel_qk: dC).
+// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; the reduced ones).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd_mma::kThreads, 1)
 cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 {
@@ -327,7 +330,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     T* sV = sK + kBlockC * LD::kStride;           // (kBlockC, kDvp)
     Acc* sRq = reinterpret_cast<Acc*>(sQ + kOwnElems + kTileElems);  // (kBlockR, kLdRel)
     Acc* sRk = sRq + kBlockR * kLdRel;            // (kBlockR + kBlockC - 1, kLdRel)
-    // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
+    // the tile's dS (block bias, rel_bias) and dC (rel_qk) for the in-kernel reductions
     Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
     Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
@@ -431,32 +434,13 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             // ---- dQ += g K (g rounded to the input type as A)
             mma_wb<LD, kNd>(dq_acc, dp, sK);
 
-            // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
+            // ---- the tile's reduced gradients into the block's partials (attention_grads.cuh)
             if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
-                const int n_tiles = (lq + kBlockR - 1) / kBlockR;
-                const long long tile = b * n_tiles + i0 / kBlockR;
-                if constexpr (kHasBiasBlock) {
-                    const int slots = block_bias_slots<kBlockR>(bias_block_rows, n_tiles);
-                    const long long grad = (long long)((lq + bias_block_rows - 1) /
-                                                       bias_block_rows) *
-                                           ((lk + bias_block_cols - 1) / bias_block_cols);
-                    block_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGb, lq, lk, i0, j0, bias_block_rows, bias_block_cols,
-                        ds + (b * slots + (i0 / kBlockR) % slots) * grad);
-                }
-                if constexpr (kHasRelBias)
-                    rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,
-                        drel_bias + tile * (2 * rel_bias_radius + 1));
-                if constexpr (kHasRelQk) {
-                    int band_count;
-                    pipe.rel_k_band(i0, kBlockR, j0, kBlockC, band_lo, band_count);
-                    rel_qk_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGc, sRq, sRk, pipe, lq, i0, j0, diagonal_offset, rel_k_radius, band_lo,
-                        band_count, drel_q + (b * lq + i0) * kDr,
-                        drel_k + tile * (2 * rel_k_radius + 1) * kDr);
-                }
+                tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
+                    drel_bias, drel_q, drel_k);
             }
         }
     }

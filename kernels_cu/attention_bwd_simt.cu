@@ -12,17 +12,17 @@
 //   CUONLINE_ROWS_PER_WARP         rows a warp owns: keys (dK/dV kernel), queries (dQ kernel)
 //   CUONLINE_ITEMS_PER_LANE        rows a lane streams per tile: queries (dK/dV), keys (dQ)
 //   CUONLINE_WRITE_DS              the dQ kernel writes dS (the gradient of each logit with
-//                                  respect to its additive bias term) for the host reductions
+//                                  respect to its additive bias term): a plain bias's gradient
 //   CUONLINE_DR                    width of rel_q / rel_k (rel_qk): the dQ kernel then also
-//                                  writes dC, the gradient of each content score
-//                                  scale q·k + rel_q·rel_k, for the host's rel_q/rel_k sums
+//                                  reduces dC, the gradient of each content score
+//                                  scale q·k + rel_q·rel_k, into the rel_q/rel_k gradients
 //
 // The math (P recomputed from the forward's lse; Delta_i = rowsum(dO_i * O_i) is computed on
 // the host and passed in):
 //   P = exp(s - lse)            dV = P^T dO        dP = dO V^T
 //   dS = P * (dP - Delta)       g = dS, through the soft cap's derivative where it caps
-//   dQ = scale g K              dK = scale g^T Q   dbias = g (the workspace ds)
-//   dC = g through the content score's cap (the workspace dc; rel_q / rel_k from it)
+//   dQ = scale g K              dK = scale g^T Q   dbias = g (ds, or its block sums)
+//   dC = g through the content score's cap (rel_q / rel_k from it)
 // Places a query cannot see have P = 0 and g = 0 by a select (never a product), and a zero
 // weight or gradient is skipped (warp-uniform) in the accumulations, so a NaN or inf behind a
 // mask or in another row never reaches a gradient through 0 * NaN. Rows that see no key
@@ -35,8 +35,10 @@
 //     registers (lane t: columns t, t + 32, ...) and are written once.
 //   cuonline_attention_bwd_dq: grid.x = nbatch * n_query_tiles; the block owns kBlockR queries
 //     and loops over the key tiles they may see (lane t: keys t, t + 32, ...); dQ stays in
-//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds. Each
-//     query row's sum of P goes to row_sums: the host checks lse with it.
+//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds; with a
+//     block bias, rel_bias or rel_qk the tile's g (and dC) go to shared memory and are reduced
+//     there into the block's partials (attention_grads.cuh, tile_partials). Each query row's
+//     sum of P goes to row_sums: the host checks lse with it.
 //   Per tile, scores and dP are lane-parallel over the streamed rows, then each streamed row's
 //   weight is broadcast by shuffle and accumulated into the owned rows' columns, in a fixed
 //   order: two runs give bitwise identical results.
@@ -47,13 +49,16 @@
 //   sLse, sDelta: (kBlockC)                    the dK/dV kernel's per-query statistics
 //   with rel_qk: sRq, the rel_q rows of the tile's queries, and sRk, the band of rel_k
 //   their distances reach (attention_score.cuh's staging), behind the same barriers
+//   dQ kernel, with a block bias or rel_bias: sGb (kBlockR, kLdG), the tile's dS; with
+//   rel_qk: sGc (kBlockR, kLdG), its dC
 //
 // Operands are addressed as in the forward, through a per-batch table of element offsets
 // offsets[b * (kCount + 1) + op] and strides[2 op], strides[2 op + 1]: the forward's operands
 // (operand:: in attention_score.cuh, read by the score pipeline), then dout (op = kCount).
 // lse and delta are contiguous (nbatch, lq); dq (nbatch, lq, D), dk (nbatch, lk, D), dv
-// (nbatch, lk, Dv) and ds (nbatch, lq, lk) are contiguous, in the accumulation type (the host
-// sums broadcast dimensions and converts to the input dtype).
+// (nbatch, lk, Dv), ds (nbatch, lq, lk; a block bias: its slots) and the partials
+// (attention_grads.cuh's parameter list) are contiguous, in the accumulation type (the host
+// sums the partials and broadcast dimensions and converts to the input dtype).
 
 #ifndef CUONLINE_ITEMS_PER_LANE
 #error "attention_bwd_simt.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
@@ -295,7 +300,7 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     }
 }
 
-// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; rel_qk: dC).
+// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; the reduced ones).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd::kThreads, 1)
 cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 {
@@ -309,7 +314,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc* sV = sK + kBlockC * kLdD;        // (kBlockC, kLdDv)
     Acc* sRq = sV + kBlockC * kLdDv;      // (kBlockR, kLdRel), with rel_qk only
     Acc* sRk = sRq + kBlockR * kLdRel;    // (kBlockR + kBlockC - 1, kLdRel)
-    // the tile's dS (rel_bias) and dC (rel_qk) for the in-kernel reductions: (kBlockR, kLdG)
+    // the tile's dS (block bias, rel_bias) and dC (rel_qk) for the in-kernel reductions
     Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
     Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
@@ -443,32 +448,13 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                 }
             }
 
-            // ---- the tile's relative gradients into the block's partials (attention_grads.cuh)
+            // ---- the tile's reduced gradients into the block's partials (attention_grads.cuh)
             if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
-                const int n_tiles = (lq + kBlockR - 1) / kBlockR;
-                const long long tile = b * n_tiles + i0 / kBlockR;
-                if constexpr (kHasBiasBlock) {
-                    const int slots = block_bias_slots<kBlockR>(bias_block_rows, n_tiles);
-                    const long long grad = (long long)((lq + bias_block_rows - 1) /
-                                                       bias_block_rows) *
-                                           ((lk + bias_block_cols - 1) / bias_block_cols);
-                    block_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGb, lq, lk, i0, j0, bias_block_rows, bias_block_cols,
-                        ds + (b * slots + (i0 / kBlockR) % slots) * grad);
-                }
-                if constexpr (kHasRelBias)
-                    rel_bias_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGb, pipe, i0, j0, diagonal_offset, rel_bias_radius,
-                        drel_bias + tile * (2 * rel_bias_radius + 1));
-                if constexpr (kHasRelQk) {
-                    int band_count;
-                    pipe.rel_k_band(i0, kBlockR, j0, kBlockC, band_lo, band_count);
-                    rel_qk_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                        sGc, sRq, sRk, pipe, lq, i0, j0, diagonal_offset, rel_k_radius, band_lo,
-                        band_count, drel_q + (b * lq + i0) * kDr,
-                        drel_k + tile * (2 * rel_k_radius + 1) * kDr);
-                }
+                tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
+                    drel_bias, drel_q, drel_k);
             }
         }
     }

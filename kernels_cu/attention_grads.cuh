@@ -165,6 +165,38 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
     }
 }
 
+// Every in-kernel reduction of the dQ kernel's tile (query tile i0 / kM of batch element b,
+// keys from j0), after the barrier that publishes sGb and sGc: a block bias's into its slot of
+// ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's into the tile's
+// partials (the rel_k band of the tile staged in sRk).
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void tile_partials(
+    const Acc* sGb, const Acc* sGc, const Acc* sRq, const Acc* sRk,
+    const ScorePipeline<Acc>& pipe, long long b, long long i0, long long j0, int lq, int lk,
+    long long diag, int bias_rows, int bias_cols, int rel_bias_radius, int rel_k_radius,
+    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k) {
+    const int n_tiles = (lq + kM - 1) / kM;
+    const long long tile = b * n_tiles + i0 / kM;
+    if constexpr (kHasBiasBlock) {
+        const int slots = block_bias_slots<kM>(bias_rows, n_tiles);
+        const long long grad = (long long)((lq + bias_rows - 1) / bias_rows) *
+                               ((lk + bias_cols - 1) / bias_cols);
+        block_bias_partials<kM, kN, kLd, kThreads>(sGb, lq, lk, i0, j0, bias_rows, bias_cols,
+                                                   ds + (b * slots + (i0 / kM) % slots) * grad);
+    }
+    if constexpr (kHasRelBias)
+        rel_bias_partials<kM, kN, kLd, kThreads>(sGb, pipe, i0, j0, diag, rel_bias_radius,
+                                                 drel_bias + tile * (2 * rel_bias_radius + 1));
+    if constexpr (kHasRelQk) {
+        int band_lo, band_count;
+        pipe.rel_k_band(i0, kM, j0, kN, band_lo, band_count);
+        rel_qk_partials<kM, kN, kLd, kThreads>(sGc, sRq, sRk, pipe, lq, i0, j0, diag,
+                                               rel_k_radius, band_lo, band_count,
+                                               drel_q + (b * lq + i0) * kDr,
+                                               drel_k + tile * (2 * rel_k_radius + 1) * kDr);
+    }
+}
+
 }  // namespace cuonline
 
 // The parameters of every backward kernel, in the order cuonline/kernels/arguments.py passes

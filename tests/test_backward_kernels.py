@@ -510,7 +510,8 @@ def test_plan_covers_every_key_and_query_tile():
 # races
 
 # 40 queries and keys: two tiles of each, so each loop's barriers are crossed; plain, then
-# with the rel_q / rel_k staging (and dS, dC written)
+# with the rel_q / rel_k staging (dS written, dC reduced), then with a block bias and rel_bias
+# (dS reduced in shared memory)
 _TSAN_SCRIPT = """
 import numpy as np
 from oracle import reference_attention
@@ -522,7 +523,9 @@ q, k, v, _ = make_case(4, lq=40, lk=40)
 dout = rng.standard_normal((2, 40, 24)).astype(np.float32)
 terms = dict(rel_q=rng.standard_normal((40, 4)), rel_k=rng.standard_normal((9, 4)),
              bias=rng.standard_normal((40, 40)))
-for options in ({{}}, terms):
+reduced = dict(bias=rng.standard_normal((14, 8)), bias_block=(3, 5),
+               rel_bias=rng.standard_normal(9))
+for options in ({{}}, terms, reduced):
     out, lse = reference_attention(q, k, v, **options)       # the lse is checked
     with overrides(kernel_sources={sources!r}, emulate_options=dict(mode="threads", tsan=True)):
         g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)
