@@ -113,7 +113,7 @@ __device__ __forceinline__ void block_bias_partials(const Acc* sGb, int lq, int 
     if (i0 >= i_end || j0 >= j_end) return;
     const long long row0 = i0 / r, col0 = j0 / c;
     const int n_rows = int((i_end - 1) / r - row0 + 1), n_cols = int((j_end - 1) / c - col0 + 1);
-    const long long cols = (lk + c - 1) / c;   // the gradient's row length
+    const long long cols = (lk + (long long)c - 1) / c;   // the gradient's row length
     for (int idx = threadIdx.x; idx < n_rows * n_cols; idx += kThreads) {
         const long long br = row0 + idx / n_cols, bc = col0 + idx % n_cols;
         const long long r_lo = br * r > i0 ? br * r : i0;
@@ -175,12 +175,12 @@ __device__ __forceinline__ void tile_partials(
     const ScorePipeline<Acc>& pipe, long long b, long long i0, long long j0, int lq, int lk,
     long long diag, int bias_rows, int bias_cols, int rel_bias_radius, int rel_k_radius,
     Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k) {
-    const int n_tiles = (lq + kM - 1) / kM;
+    const int n_tiles = int((lq + (long long)kM - 1) / kM);
     const long long tile = b * n_tiles + i0 / kM;
     if constexpr (kHasBiasBlock) {
         const int slots = block_bias_slots<kM>(bias_rows, n_tiles);
-        const long long grad = (long long)((lq + bias_rows - 1) / bias_rows) *
-                               ((lk + bias_cols - 1) / bias_cols);
+        const long long grad = ((lq + (long long)bias_rows - 1) / bias_rows) *
+                               ((lk + (long long)bias_cols - 1) / bias_cols);
         block_bias_partials<kM, kN, kLd, kThreads>(sGb, lq, lk, i0, j0, bias_rows, bias_cols,
                                                    ds + (b * slots + (i0 / kM) % slots) * grad);
     }
