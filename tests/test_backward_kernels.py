@@ -637,3 +637,15 @@ def test_reduced_gradients_allocate_no_array_of_places(term):
                                   bias_block=(4, 4))}[term]
     peak, places = _stubbed_backward_peak(**options)
     assert peak < places, f"{term}: peak {peak} bytes, one (nbatch, Lq, Lk) array {places}"
+
+
+@needs_emulation
+def test_reduced_gradients_are_bitwise_identical_across_runs():
+    rng = np.random.default_rng(9)
+    options = dict(bias=rng.standard_normal((1, 24, 9)), bias_block=(3, 5), causal=True,
+                   rel_bias=rng.standard_normal(11), rel_q=rng.standard_normal((2, 70, 3)),
+                   rel_k=rng.standard_normal((5, 3)))
+    first, _ = _emulated_and_numpy_gradients(np.float32, "attention_bwd_simt", 70, 45, **options)
+    second, _ = _emulated_and_numpy_gradients(np.float32, "attention_bwd_simt", 70, 45, **options)
+    for name in ("dq", "dbias", "drel_bias", "drel_q", "drel_k"):
+        assert getattr(first, name).tobytes() == getattr(second, name).tobytes(), name
