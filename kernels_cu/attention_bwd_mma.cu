@@ -18,11 +18,11 @@
 //                                  dQ), a multiple of 16
 //   CUONLINE_CP_ASYNC              1: q, k, v, dout rows are 16-byte aligned with unit column
 //                                  stride and go global -> shared by cp.async; 0: element-wise
-//   CUONLINE_WRITE_DS, CUONLINE_DR as attention_bwd_simt.cu (the dS and dC workspaces)
+//   CUONLINE_WRITE_DS, CUONLINE_DR as attention_bwd_simt.cu (dS written; dS, dC reduced)
 //
 // The math, as attention_bwd_simt.cu (Delta from the host, P recomputed from lse):
 //   P = exp(s - lse)  dV = P^T dO  dP = dO V^T  dS = P * (dP - Delta)  (soft caps: chain rule)
-//   dQ = scale g K    dK = scale g^T Q          dbias = g (ds)         dC (dc, with rel_qk)
+//   dQ = scale g K    dK = scale g^T Q          dbias = g (ds)         dC (with rel_qk)
 // Every product is an mma on the forward's fragments (Ops<T>); the operands that are results
 // (P, g) stay in registers: the C layout of two 16x8 accumulator tiles is the A layout of one
 // k-step (Ops::p_to_a, rounded to the input type as the forward rounds P), so
@@ -48,8 +48,9 @@
 //     kBlockR keys stay in registers through the loop over the query tiles that may see them.
 //   cuonline_attention_bwd_mma_dq: grid.x = nbatch * n_query_tiles (the heaviest causal tiles
 //     first, block_range); dQ stays in registers; with kWriteDs each place of the loop's tiles
-//     writes g into ds (and with rel_qk its content gradient into dc); each query row's sum
-//     of P goes to row_sums, for the host's check of lse.
+//     writes g into ds; with a block bias, rel_bias or rel_qk the tile's g (and its content
+//     gradient dC) go to shared memory and are reduced there, as attention_bwd_simt.cu; each
+//     query row's sum of P goes to row_sums, for the host's check of lse.
 // Shared memory (dynamic; element type T in tensor_core.cuh's SmemTile layouts, then Acc):
 //   dK/dV: sK (kBlockR, kDp), sV (kBlockR, kDvp)  the owned keys, loaded once
 //          sQ (kBlockC, kDp), sdO (kBlockC, kDvp) a query tile
@@ -57,9 +58,11 @@
 //   dQ:    sQ (kBlockR, kDp), sdO (kBlockR, kDvp) the owned queries, loaded once
 //          sK (kBlockC, kDp), sV (kBlockC, kDvp)  a key tile
 //   with rel_qk, as attention_bwd_simt.cu: sRq (the tile's or the block's rel_q rows) and sRk
-//   (the band of rel_k the tile's distances reach), Acc, behind the same barriers.
+//   (the band of rel_k the tile's distances reach), Acc, behind the same barriers; the dQ
+//   kernel's sGb (dS: block bias, rel_bias) and sGc (dC: rel_qk), (kBlockR, kBlockC + 1) Acc.
 // Operands are addressed through the offset table of attention_bwd_simt.cu: the forward's
-// operands, then dout (op = kCount); dq, dk, dv, ds, dc contiguous in the accumulation type.
+// operands, then dout (op = kCount); dq, dk, dv, ds and the partials contiguous in the
+// accumulation type.
 
 #ifndef CUONLINE_BLOCK_C
 #error "attention_bwd_mma.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
@@ -86,6 +89,10 @@ constexpr int kBlockR = 16 * kWarps;          // owned rows per block
 constexpr int kBlockC = CUONLINE_BLOCK_C;     // streamed rows per tile
 constexpr bool kCpAsync = CUONLINE_CP_ASYNC != 0;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
+constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
+// the dQ kernel reduces dS in shared memory (rel_bias, block bias; a plain bias writes it)
+constexpr bool kBiasTile = kHasRelBias || kHasBiasBlock;
+static_assert(!(kWriteDs && kHasBiasBlock), "a block bias's dS is reduced, never written");
 constexpr int kDp = round_up(kD, 16);         // a multiple of every mma k and of 2 n-tiles
 constexpr int kDvp = round_up(kDv, 16);
 constexpr int kNc = kBlockC / 8;              // n-tiles of a score tile (streamed rows)
@@ -309,7 +316,7 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     write_tile<kDv>(dv, dv_acc, b * lk, j0 + warp_row, lk);
 }
 
-// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; rel_qk: dC).
+// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; the reduced ones).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd_mma::kThreads, 1)
 cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 {
@@ -323,6 +330,9 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     T* sV = sK + kBlockC * LD::kStride;           // (kBlockC, kDvp)
     Acc* sRq = reinterpret_cast<Acc*>(sQ + kOwnElems + kTileElems);  // (kBlockR, kLdRel)
     Acc* sRk = sRq + kBlockR * kLdRel;            // (kBlockR + kBlockC - 1, kLdRel)
+    // the tile's dS (block bias, rel_bias) and dC (rel_qk) for the in-kernel reductions
+    Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
+    Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -412,14 +422,26 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);
-                    if (i < lq && j < lk) {
-                        if constexpr (kWriteDs) ds[(b * lq + i) * lk + j] = g_bias;
-                        if constexpr (kHasRelQk) dc[(b * lq + i) * lk + j] = g_content;
+                    const bool inside = i < lq && j < lk;
+                    if constexpr (kWriteDs) {
+                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
+                    const int at = (warp_row + g + 8 * h) * kLdG + 8 * n + 2 * t + (e & 1);
+                    if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
 
             // ---- dQ += g K (g rounded to the input type as A)
             mma_wb<LD, kNd>(dq_acc, dp, sK);
+
+            // ---- the tile's reduced gradients into the block's partials (attention_grads.cuh)
+            if constexpr (kBiasTile || kHasRelQk) {
+                __syncthreads();
+                tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
+                    drel_bias, drel_q, drel_k);
+            }
         }
     }
 

@@ -12,17 +12,17 @@
 //   CUONLINE_ROWS_PER_WARP         rows a warp owns: keys (dK/dV kernel), queries (dQ kernel)
 //   CUONLINE_ITEMS_PER_LANE        rows a lane streams per tile: queries (dK/dV), keys (dQ)
 //   CUONLINE_WRITE_DS              the dQ kernel writes dS (the gradient of each logit with
-//                                  respect to its additive bias term) for the host reductions
+//                                  respect to its additive bias term): a plain bias's gradient
 //   CUONLINE_DR                    width of rel_q / rel_k (rel_qk): the dQ kernel then also
-//                                  writes dC, the gradient of each content score
-//                                  scale q·k + rel_q·rel_k, for the host's rel_q/rel_k sums
+//                                  reduces dC, the gradient of each content score
+//                                  scale q·k + rel_q·rel_k, into the rel_q/rel_k gradients
 //
 // The math (P recomputed from the forward's lse; Delta_i = rowsum(dO_i * O_i) is computed on
 // the host and passed in):
 //   P = exp(s - lse)            dV = P^T dO        dP = dO V^T
 //   dS = P * (dP - Delta)       g = dS, through the soft cap's derivative where it caps
-//   dQ = scale g K              dK = scale g^T Q   dbias = g (the workspace ds)
-//   dC = g through the content score's cap (the workspace dc; rel_q / rel_k from it)
+//   dQ = scale g K              dK = scale g^T Q   dbias = g (ds, or its block sums)
+//   dC = g through the content score's cap (rel_q / rel_k from it)
 // Places a query cannot see have P = 0 and g = 0 by a select (never a product), and a zero
 // weight or gradient is skipped (warp-uniform) in the accumulations, so a NaN or inf behind a
 // mask or in another row never reaches a gradient through 0 * NaN. Rows that see no key
@@ -35,8 +35,10 @@
 //     registers (lane t: columns t, t + 32, ...) and are written once.
 //   cuonline_attention_bwd_dq: grid.x = nbatch * n_query_tiles; the block owns kBlockR queries
 //     and loops over the key tiles they may see (lane t: keys t, t + 32, ...); dQ stays in
-//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds. Each
-//     query row's sum of P goes to row_sums: the host checks lse with it.
+//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds; with a
+//     block bias, rel_bias or rel_qk the tile's g (and dC) go to shared memory and are reduced
+//     there into the block's partials (attention_grads.cuh, tile_partials). Each query row's
+//     sum of P goes to row_sums: the host checks lse with it.
 //   Per tile, scores and dP are lane-parallel over the streamed rows, then each streamed row's
 //   weight is broadcast by shuffle and accumulated into the owned rows' columns, in a fixed
 //   order: two runs give bitwise identical results.
@@ -47,13 +49,16 @@
 //   sLse, sDelta: (kBlockC)                    the dK/dV kernel's per-query statistics
 //   with rel_qk: sRq, the rel_q rows of the tile's queries, and sRk, the band of rel_k
 //   their distances reach (attention_score.cuh's staging), behind the same barriers
+//   dQ kernel, with a block bias or rel_bias: sGb (kBlockR, kLdG), the tile's dS; with
+//   rel_qk: sGc (kBlockR, kLdG), its dC
 //
 // Operands are addressed as in the forward, through a per-batch table of element offsets
 // offsets[b * (kCount + 1) + op] and strides[2 op], strides[2 op + 1]: the forward's operands
 // (operand:: in attention_score.cuh, read by the score pipeline), then dout (op = kCount).
 // lse and delta are contiguous (nbatch, lq); dq (nbatch, lq, D), dk (nbatch, lk, D), dv
-// (nbatch, lk, Dv) and ds (nbatch, lq, lk) are contiguous, in the accumulation type (the host
-// sums broadcast dimensions and converts to the input dtype).
+// (nbatch, lk, Dv), ds (nbatch, lq, lk; a block bias: its slots) and the partials
+// (attention_grads.cuh's parameter list) are contiguous, in the accumulation type (the host
+// sums the partials and broadcast dimensions and converts to the input dtype).
 
 #ifndef CUONLINE_ITEMS_PER_LANE
 #error "attention_bwd_simt.cu needs the CUONLINE_* variant defines (see cuonline/kernels/specs.py)"
@@ -78,6 +83,10 @@ constexpr int kColsDv = (kDv + 31) / 32;      // columns of Dv per lane
 constexpr int kLdD = kD + 1;
 constexpr int kLdDv = kDv + 1;
 constexpr bool kWriteDs = CUONLINE_WRITE_DS != 0;
+constexpr int kLdG = kBlockC + 1;             // row stride of the tiles sGb, sGc
+// the dQ kernel reduces dS in shared memory (rel_bias, block bias; a plain bias writes it)
+constexpr bool kBiasTile = kHasRelBias || kHasBiasBlock;
+static_assert(!(kWriteDs && kHasBiasBlock), "a block bias's dS is reduced, never written");
 // The backward's operand table: the forward's (read by the score pipeline), then dO.
 constexpr int kDout = operand::kCount;
 constexpr int kOperands = operand::kCount + 1;
@@ -291,7 +300,7 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     }
 }
 
-// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; rel_qk: dC).
+// dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; the reduced ones).
 extern "C" __global__ void __launch_bounds__(cuonline::bwd::kThreads, 1)
 cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 {
@@ -305,6 +314,9 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     Acc* sV = sK + kBlockC * kLdD;        // (kBlockC, kLdDv)
     Acc* sRq = sV + kBlockC * kLdDv;      // (kBlockR, kLdRel), with rel_qk only
     Acc* sRk = sRq + kBlockR * kLdRel;    // (kBlockR + kBlockC - 1, kLdRel)
+    // the tile's dS (block bias, rel_bias) and dC (rel_qk) for the in-kernel reductions
+    Acc* sGb = sRq + (kHasRelQk ? (2 * kBlockR + kBlockC - 1) * kLdRel : 0);
+    Acc* sGc = sGb + (kBiasTile ? kBlockR * kLdG : 0);
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -403,10 +415,13 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
-                    if (i < lq && j < lk) {
-                        if constexpr (kWriteDs) ds[(b * lq + i) * lk + j] = g_bias;
-                        if constexpr (kHasRelQk) dc[(b * lq + i) * lk + j] = g_content;
+                    const bool inside = i < lq && j < lk;
+                    if constexpr (kWriteDs) {
+                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
                     }
+                    const int at = (warp * kRows + r) * kLdG + lane + 32 * t;
+                    if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
+                    if constexpr (kHasRelQk) sGc[at] = inside ? g_content : Acc(0);
                 }
             }
 
@@ -431,6 +446,15 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                         }
                     }
                 }
+            }
+
+            // ---- the tile's reduced gradients into the block's partials (attention_grads.cuh)
+            if constexpr (kBiasTile || kHasRelQk) {
+                __syncthreads();
+                tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
+                    drel_bias, drel_q, drel_k);
             }
         }
     }

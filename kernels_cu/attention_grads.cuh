@@ -52,6 +52,151 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
     return g * scale;
 }
 
+// ---- the relative gradients of one tile, reduced in the kernel (no (lq, lk) workspace)
+//
+// The dQ kernels leave a tile's gradients in shared memory (rows: the queries [i0, i0 + kM),
+// columns: the keys [j0, j0 + kN), row stride kLd, 0 outside (lq, lk)): sGb the bias-type
+// ones (dS: rel_bias, block bias), sGc the content ones (dC). A block owns its query tile's slice of the partials,
+// so its key tiles add into it one after another (one thread per element between barriers):
+// a fixed order, no atomics. The host sums the query tiles' partials (drel_q needs none).
+
+// The columns [c_lo, c_hi] of the tile where query i's distance clamps to entry e of a table of
+// radius `radius` (delta = j - i - diag; the end entries take every delta beyond the radius).
+template <int kN>
+__device__ __forceinline__ void clamped_columns(long long i, long long j0, long long diag,
+                                                int radius, int e, int& c_lo, int& c_hi) {
+    const long long first = j0 - i - diag;                  // delta of column 0
+    const long long far = 1LL << 62;
+    long long lo = (e == 0 ? -far : e - radius) - first;
+    long long hi = (e == 2 * radius ? far : e - radius) - first;
+    lo = lo < 0 ? 0 : (lo > kN ? kN : lo);
+    hi = hi > kN - 1 ? kN - 1 : (hi < -1 ? -1 : hi);
+    c_lo = int(lo);
+    c_hi = int(hi);
+}
+
+// part (2 radius + 1) += the tile's dS summed per clamped distance (rel_bias's gradient):
+// each entry by one thread, rows then columns in order.
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void rel_bias_partials(const Acc* sGb, const ScorePipeline<Acc>& pipe,
+                                                  long long i0, long long j0, long long diag,
+                                                  int radius, Acc* part) {
+    const int e_lo = pipe.rel_row(i0 + kM - 1, j0, radius);
+    const int e_hi = pipe.rel_row(i0, j0 + kN - 1, radius);
+    for (int e = e_lo + int(threadIdx.x); e <= e_hi; e += kThreads) {
+        Acc sum = Acc(0);
+        for (int r = 0; r < kM; ++r) {
+            int c_lo, c_hi;
+            clamped_columns<kN>(i0 + r, j0, diag, radius, e, c_lo, c_hi);
+            for (int c = c_lo; c <= c_hi; ++c) sum += sGb[r * kLd + c];
+        }
+        part[e] += sum;
+    }
+}
+
+// How many slots of partials a block bias of `rows` rows per block needs so that two query
+// tiles of kM rows sharing a slot never share a block row (tile t writes slot t % slots): one
+// where the blocks tile the query tiles, else one more than the tiles a block row may span.
+template <int kM>
+__host__ __device__ __forceinline__ int block_bias_slots(int rows, int n_tiles) {
+    const int slots = (rows <= kM && kM % rows == 0) ? 1 : (rows - 1) / kM + 2;
+    return slots < n_tiles ? slots : n_tiles;
+}
+
+// part (ceil(lq / r), ceil(lk / c)), this block's slot, += the tile's dS summed over each
+// (r, c) block it meets (a block bias's gradient): each block by one thread, in row order.
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void block_bias_partials(const Acc* sGb, int lq, int lk, long long i0,
+                                                    long long j0, int r, int c, Acc* part) {
+    const long long i_end = i0 + kM < lq ? i0 + kM : lq;
+    const long long j_end = j0 + kN < lk ? j0 + kN : lk;
+    if (i0 >= i_end || j0 >= j_end) return;
+    const long long row0 = i0 / r, col0 = j0 / c;
+    const int n_rows = int((i_end - 1) / r - row0 + 1), n_cols = int((j_end - 1) / c - col0 + 1);
+    const long long cols = (lk + (long long)c - 1) / c;   // the gradient's row length
+    for (int idx = threadIdx.x; idx < n_rows * n_cols; idx += kThreads) {
+        const long long br = row0 + idx / n_cols, bc = col0 + idx % n_cols;
+        const long long r_lo = br * r > i0 ? br * r : i0;
+        const long long r_hi = (br + 1) * r < i_end ? (br + 1) * r : i_end;
+        const long long c_lo = bc * c > j0 ? bc * c : j0;
+        const long long c_hi = (bc + 1) * c < j_end ? (bc + 1) * c : j_end;
+        Acc sum = Acc(0);
+        for (int rr = int(r_lo - i0); rr < int(r_hi - i0); ++rr)
+            for (int cc = int(c_lo - j0); cc < int(c_hi - j0); ++cc) sum += sGb[rr * kLd + cc];
+        part[br * cols + bc] += sum;
+    }
+}
+
+// The rel_q / rel_k gradients of the tile from its dC (sGc) and the staged sRq (the block's
+// rel_q rows from i0) and sRk (the band of rel_k from row band_lo): drel_q (the block's rows
+// from i0, (kM, kDr) at row stride kDr) += dC rel_k[row], part_k (2 radius + 1, kDr) +=
+// dC rel_q[i] per clamped distance. A zero gradient adds exactly 0 (a table row no visible
+// place uses may hold NaN or inf).
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, const Acc* sRk,
+                                                const ScorePipeline<Acc>& pipe, int lq,
+                                                long long i0, long long j0, long long diag,
+                                                int radius, int band_lo, int band_count,
+                                                Acc* drel_q, Acc* part_k) {
+    for (int idx = threadIdx.x; idx < kM * kDr; idx += kThreads) {
+        const int r = idx / kDr, d = idx - r * kDr;
+        if (i0 + r >= lq) continue;
+        Acc sum = Acc(0);
+        for (int c = 0; c < kN; ++c) {
+            const Acc g = sGc[r * kLd + c];
+            if (g != Acc(0))
+                sum += g * sRk[(pipe.rel_row(i0 + r, j0 + c, radius) - band_lo) * kLdRel + d];
+        }
+        drel_q[r * kDr + d] += sum;
+    }
+    for (int idx = threadIdx.x; idx < band_count * kDr; idx += kThreads) {
+        const int e = band_lo + idx / kDr, d = idx % kDr;
+        Acc sum = Acc(0);
+        for (int r = 0; r < kM; ++r) {
+            int c_lo, c_hi;
+            clamped_columns<kN>(i0 + r, j0, diag, radius, e, c_lo, c_hi);
+            const Acc rq = sRq[r * kLdRel + d];
+            for (int c = c_lo; c <= c_hi; ++c) {
+                const Acc g = sGc[r * kLd + c];
+                if (g != Acc(0)) sum += g * rq;
+            }
+        }
+        part_k[e * kDr + d] += sum;
+    }
+}
+
+// Every in-kernel reduction of the dQ kernel's tile (query tile i0 / kM of batch element b,
+// keys from j0), after the barrier that publishes sGb and sGc: a block bias's into its slot of
+// ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's into the tile's
+// partials (the rel_k band of the tile staged in sRk).
+template <int kM, int kN, int kLd, int kThreads, class Acc>
+__device__ __forceinline__ void tile_partials(
+    const Acc* sGb, const Acc* sGc, const Acc* sRq, const Acc* sRk,
+    const ScorePipeline<Acc>& pipe, long long b, long long i0, long long j0, int lq, int lk,
+    long long diag, int bias_rows, int bias_cols, int rel_bias_radius, int rel_k_radius,
+    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k) {
+    const int n_tiles = int((lq + (long long)kM - 1) / kM);
+    const long long tile = b * n_tiles + i0 / kM;
+    if constexpr (kHasBiasBlock) {
+        const int slots = block_bias_slots<kM>(bias_rows, n_tiles);
+        const long long grad = ((lq + (long long)bias_rows - 1) / bias_rows) *
+                               ((lk + (long long)bias_cols - 1) / bias_cols);
+        block_bias_partials<kM, kN, kLd, kThreads>(sGb, lq, lk, i0, j0, bias_rows, bias_cols,
+                                                   ds + (b * slots + (i0 / kM) % slots) * grad);
+    }
+    if constexpr (kHasRelBias)
+        rel_bias_partials<kM, kN, kLd, kThreads>(sGb, pipe, i0, j0, diag, rel_bias_radius,
+                                                 drel_bias + tile * (2 * rel_bias_radius + 1));
+    if constexpr (kHasRelQk) {
+        int band_lo, band_count;
+        pipe.rel_k_band(i0, kM, j0, kN, band_lo, band_count);
+        rel_qk_partials<kM, kN, kLd, kThreads>(sGc, sRq, sRk, pipe, lq, i0, j0, diag,
+                                               rel_k_radius, band_lo, band_count,
+                                               drel_q + (b * lq + i0) * kDr,
+                                               drel_k + tile * (2 * rel_k_radius + 1) * kDr);
+    }
+}
+
 }  // namespace cuonline
 
 // The parameters of every backward kernel, in the order cuonline/kernels/arguments.py passes
@@ -73,8 +218,12 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
         CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
         CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk) or null */              \
-        CUONLINE_ACC* __restrict__ dc,            /* (nbatch, lq, lk) or null */              \
+        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS; a block  \
+                                                     bias's (nbatch, slots, ceil(lq / r),     \
+                                                     ceil(lk / c)) partials; or null */       \
+        CUONLINE_ACC* __restrict__ drel_bias,     /* (nbatch, n_qtiles, Rb) or null */        \
+        CUONLINE_ACC* __restrict__ drel_q,        /* (nbatch, lq, Dr) or null */              \
+        CUONLINE_ACC* __restrict__ drel_k,        /* (nbatch, n_qtiles, Rk, Dr) or null */    \
         CUONLINE_ACC* __restrict__ row_sums,      /* (nbatch, lq): each row's sum of P */     \
         const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
         const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \

@@ -497,18 +497,30 @@ def _run_backward_barrier_case(q, k, v, rng, sources, options):
     from cuonline.engines import cuda_backward
     from cuonline.engines.target import overrides
     dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(q.dtype)
-    out, lse = reference_attention(q, k, v)
+    # the terms whose gradients the dQ kernels reduce in shared memory (behind a barrier of
+    # their own): a block bias whose 3-row blocks straddle the query tiles, rel_bias, rel_q/k
+    lq, lk = q.shape[-2], k.shape[-2]
+    terms = dict(bias=rng.standard_normal((-(-lq // 3), -(-lk // 5))), bias_block=(3, 5),
+                 rel_bias=rng.standard_normal(9), rel_q=rng.standard_normal((2, lq, 4)),
+                 rel_k=rng.standard_normal((7, 4)))
+    acc = np.result_type(q.dtype, np.float32)
+    terms = {n: x.astype(acc) if isinstance(x, np.ndarray) else x for n, x in terms.items()}
+    out, lse = reference_attention(q, k, v, **terms)
     # lse in float32 at least: a float16 lse would move every weight by ~1e-3
-    lse = lse.astype(np.result_type(q.dtype, np.float32))
+    lse = lse.astype(acc)
     try:
         with overrides(kernel_sources=sources, emulate_options=options):
-            got = cuda_backward.gradients(problem_of("emulate", q, k, v), dout,
+            got = cuda_backward.gradients(problem_of("emulate", q, k, v, **terms), dout,
                                           out.astype(q.dtype), lse)
     except ValueError as exc:   # wrong sums of P: the kernel's check of lse caught the mutant
         if "`lse`" not in str(exc):
             raise
         return float("inf")
-    want = reference_attention_backward(dout, q, k, v)
-    errors = [float(np.abs(got[n] - want[n]).max()) for n in ("dq", "dk", "dv")]
-    return max(errors) if all(np.isfinite(got[n]).all() for n in ("dq", "dk", "dv")) else (
-        float("inf"))
+    want = reference_attention_backward(dout, q, k, v, **terms)
+    names = ("dq", "dk", "dv", "dbias", "drel_bias", "drel_q", "drel_k")
+    # per batch element (gradients): the shared terms' gradients summed over the batch; the
+    # reduced gradients are sums over many places: their error relative to their size
+    got = {n: got[n].sum(axis=0) if got[n].ndim > want[n].ndim else got[n] for n in names}
+    errors = [float(np.abs(got[n] - want[n]).max() / max(1.0, float(np.abs(want[n]).max())))
+              for n in names]
+    return max(errors) if all(np.isfinite(got[n]).all() for n in names) else float("inf")

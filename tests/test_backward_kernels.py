@@ -237,22 +237,6 @@ def test_nan_in_relative_rows_nobody_sees_stays_out_of_the_other_gradient():
     assert not got.drel_q[:3].any() and not got.drel_k[radius + 1:].any()
 
 
-def test_weighted_sums_skip_zero_weights_and_keep_the_rest_ieee():
-    from cuonline.engines.cuda_backward import weighted_sums
-    w = np.array([[0.0, 2.0, 1.0], [0.0, 0.0, 1.0], [0.0, -1.0, 0.0], [1.0, 1.0, 1.0]])
-    x = np.array([[np.nan, np.inf], [1.0, np.inf], [2.0, -np.inf]])
-    got = weighted_sums(np, w, x)
-    want = np.array([[4.0, np.nan],              # inf + (-inf)
-                     [2.0, -np.inf],
-                     [-1.0, -np.inf],              # -1 * inf
-                     [np.nan, np.nan]])            # a non-zero weight meets NaN
-    assert np.array_equal(got, want, equal_nan=True)
-    finite = np.random.default_rng(0).standard_normal((2, 3, 5))
-    y = np.random.default_rng(1).standard_normal((2, 5, 4))
-    assert np.array_equal(weighted_sums(np, finite, y), finite @ y)
-
-
-@needs_emulation
 @pytest.mark.parametrize("lq, lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 0, 4),
                                            (5, 6, 4, 0), (1, 1, 1, 1)])
 def test_empty_lengths_and_heads_agree_with_the_numpy_engine(lq, lk, d, dv):
@@ -327,20 +311,9 @@ def test_the_lse_check_catches_a_kernel_without_its_row_sums(mutant):
 
 
 # --------------------------------------------------------------------------------------------
-# the host's reductions of dS (pure functions)
+# the reductions of dS
 
 
-def test_block_sums_sum_each_block_of_places():
-    from cuonline.engines.cuda_backward import block_sums
-    ds = np.random.default_rng(0).standard_normal((2, 7, 10))
-    got = block_sums(np, ds, (3, 4))
-    assert got.shape == (2, 3, 3)
-    for a in range(3):
-        for c in range(3):
-            assert np.allclose(got[:, a, c], ds[:, 3 * a:3 * a + 3, 4 * c:4 * c + 4].sum((1, 2)))
-
-
-@needs_emulation
 @pytest.mark.parametrize("rows", [2**31, 2**40], ids=["2**31", "2**40"])
 def test_a_bias_block_larger_than_the_sequence_is_one_block(rows):
     # issue 22 item 7: dS was padded to a multiple of the block (384 GiB for 2**31 rows, a
@@ -359,28 +332,22 @@ def test_a_bias_block_larger_than_the_sequence_is_one_block(rows):
         assert np.allclose(getattr(got, field), getattr(want, field), rtol=0, atol=1e-13), field
 
 
-def test_block_sums_of_a_block_larger_than_the_places():
-    from cuonline.engines.cuda_backward import block_sums
-    ds = np.random.default_rng(2).standard_normal((2, 7, 10))
-    got = block_sums(np, ds, (2**40, 2**31))
-    assert got.shape == (2, 1, 1) and np.allclose(got[:, 0, 0], ds.sum((1, 2)))
-
-
-@pytest.mark.parametrize("diag, radius", [(0, 2), (3, 4), (-5, 1), (0, 0), (2**40, 3), (0, 20)])
-def test_diagonal_sums_sum_each_clipped_distance(diag, radius):
-    from cuonline.engines.cuda_backward import diagonal_sums
-    lq, lk = 6, 9
-    ds = np.random.default_rng(1).standard_normal((2, lq, lk))
-    got = diagonal_sums(np, ds, diag, radius)
-    want = np.zeros((2, 2 * radius + 1))
-    for i in range(lq):
-        for j in range(lk):
-            want[:, radius + min(max(j - i - diag, -radius), radius)] += ds[:, i, j]
-    assert np.allclose(got, want, rtol=0, atol=1e-12)
-
-
-# --------------------------------------------------------------------------------------------
-# planner, spec and listing (pure)
+@pytest.mark.parametrize("block_r", [4, 16, 64])
+def test_query_tiles_sharing_a_block_bias_slot_share_no_block_row(block_r):
+    # the dQ kernel's query tile t adds its block sums into slot t % slots, with no atomics:
+    # two tiles of one slot must never meet the same block row
+    from cuonline.engines.cuda_backward import block_bias_slots
+    for lq in (1, 5, 64, 100, 257):
+        tiles = -(-lq // block_r)
+        for rows in {1, 2, 3, 5, 7, 16, 17, 63, 64, 65, 130, lq}:
+            rows = min(rows, lq)
+            slots = block_bias_slots(rows, block_r, tiles)
+            owner = {}
+            for t in range(tiles):
+                last = min((t + 1) * block_r, lq) - 1
+                for block_row in range(t * block_r // rows, last // rows + 1):
+                    key = (t % slots, block_row)
+                    assert owner.setdefault(key, t) == t, (lq, rows, slots, key)
 
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_75", "sm_80", "sm_90"])
@@ -389,7 +356,7 @@ def test_tiles_fit_the_arch_and_the_listing_has_every_dtype(arch):
     assert {s.dtype for s in specs} == {"float16", "bfloat16", "float32", "float64"}
     for spec in specs:
         assert spec.shared_bytes <= heuristics.bwd_smem_limit(arch), spec.key
-        assert spec.write_ds == any(n in ("bias", "rel_bias") for n in spec.features)
+        assert spec.write_ds == ("bias" in spec.features and "bias_block" not in spec.features)
     # float64 D = 256 needs sm_80's opt-in shared memory; below, the planner refuses it
     big = [s for s in specs if s.dtype == "float64" and s.d == 256]
     assert bool(big) == (arch in ("sm_80", "sm_90"))
@@ -428,7 +395,8 @@ def test_plan_covers_every_key_and_query_tile():
 # races
 
 # 40 queries and keys: two tiles of each, so each loop's barriers are crossed; plain, then
-# with the rel_q / rel_k staging (and dS, dC written)
+# with the rel_q / rel_k staging (dS written, dC reduced), then with a block bias and rel_bias
+# (dS reduced in shared memory)
 _TSAN_SCRIPT = """
 import numpy as np
 from oracle import reference_attention
@@ -440,7 +408,9 @@ q, k, v, _ = make_case(4, lq=40, lk=40)
 dout = rng.standard_normal((2, 40, 24)).astype(np.float32)
 terms = dict(rel_q=rng.standard_normal((40, 4)), rel_k=rng.standard_normal((9, 4)),
              bias=rng.standard_normal((40, 40)))
-for options in ({{}}, terms):
+reduced = dict(bias=rng.standard_normal((14, 8)), bias_block=(3, 5),
+               rel_bias=rng.standard_normal(9))
+for options in ({{}}, terms, reduced):
     out, lse = reference_attention(q, k, v, **options)       # the lse is checked
     with overrides(kernel_sources={sources!r}, emulate_options=dict(mode="threads", tsan=True)):
         g = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out, lse)
@@ -469,3 +439,99 @@ def test_the_backward_families_use_no_atomics(family):
     for name in (*family.headers, family.source):
         code = re.sub(r"//[^\n]*|/\*.*?\*/", "", read_kernel_file(name), flags=re.S)
         assert not re.search(r"\batomic\w*\s*\(|\bred\.\w*", code), name
+
+
+# --------------------------------------------------------------------------------------------
+# the gradients reduced in the kernels: no (Lq, Lk) workspace unless it is the gradient
+
+
+def _emulated_and_numpy_gradients(dtype, family, lq, lk, **options):
+    import cuonline
+    from cuonline.engines.target import overrides
+    rng = np.random.default_rng(lq * 1000 + lk)
+    q, k = (rng.standard_normal((2, n, 8)).astype(dtype) for n in (lq, lk))
+    v = rng.standard_normal((2, lk, 8)).astype(dtype)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, backend="numpy", **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    with overrides(family=family):
+        got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    want = cuonline.attention_backward(dout, q, k, v, out, lse, backend="numpy", **options)
+    return got, want
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype, family", [(np.float64, None), (np.float32, "attention_bwd_simt")],
+                         ids=["float64-mma", "float32-simt"])
+def test_block_bias_and_relative_gradients_reduced_in_the_kernel(dtype, family):
+    # block rows that straddle query tiles (3, 40), span several (100), tile them exactly
+    # (16), with the relative terms and a head-shared bias (one reduction over the heads)
+    rng = np.random.default_rng(3)
+    lq, lk = 70, 45
+    tol = 1e-10 if dtype == np.float64 else 2e-4
+    for rows, cols in ((3, 5), (40, 1), (100, 7), (16, 45)):
+        coarse = rng.standard_normal((1, -(-lq // rows), -(-lk // cols))).astype(dtype)
+        options = dict(bias=coarse, bias_block=(rows, cols), causal=True,
+                       rel_bias=rng.standard_normal(9).astype(dtype),
+                       rel_q=rng.standard_normal((2, lq, 3)).astype(dtype),
+                       rel_k=rng.standard_normal((5, 3)).astype(dtype))
+        got, want = _emulated_and_numpy_gradients(dtype, family, lq, lk, **options)
+        for name in ("dbias", "drel_bias", "drel_q", "drel_k", "dq"):
+            g, w = getattr(got, name), getattr(want, name)
+            assert g.shape == w.shape, name
+            assert np.abs(g - w).max() <= tol * max(1.0, np.abs(w).max()), (rows, cols, name)
+
+
+def _stubbed_backward_peak(**options):
+    """Peak bytes tracemalloc sees in one emulated attention_backward whose kernels are
+    replaced by a launch that only reports row sums of 1: the engine's own workspaces."""
+    import tracemalloc
+
+    import cuonline
+    from cuonline.engines import target as target_module
+    from cuonline.kernels import arguments
+
+    class Module:
+        def get_function(self, name):
+            def launch(grid, block, args, shared_mem=0):
+                args[arguments.ATTENTION_BWD_SIGNATURE.index("row_sums")][...] = 1
+            return launch
+
+    lq = lk = 512
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((2, n, 8)).astype(np.float32)
+                     for n in (lq, lk, lk, lq))
+    out, lse = np.zeros_like(q), np.zeros((2, lq), dtype=np.float32)
+    original = target_module.Target.module
+    target_module.Target.module = lambda self, spec: Module()
+    try:
+        tracemalloc.start()
+        cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        target_module.Target.module = original
+    return peak, 2 * lq * lk * 4          # and the bytes of one (nbatch, Lq, Lk) array
+
+
+@pytest.mark.parametrize("term", ["rel_bias", "rel_qk", "bias_block"])
+def test_reduced_gradients_allocate_no_array_of_places(term):
+    rng = np.random.default_rng(1)
+    options = {"rel_bias": dict(rel_bias=rng.standard_normal(1023).astype(np.float32)),
+               "rel_qk": dict(rel_q=rng.standard_normal((2, 512, 4)).astype(np.float32),
+                              rel_k=rng.standard_normal((1023, 4)).astype(np.float32)),
+               "bias_block": dict(bias=rng.standard_normal((1, 128, 128)).astype(np.float32),
+                                  bias_block=(4, 4))}[term]
+    peak, places = _stubbed_backward_peak(**options)
+    assert peak < places, f"{term}: peak {peak} bytes, one (nbatch, Lq, Lk) array {places}"
+
+
+@needs_emulation
+def test_reduced_gradients_are_bitwise_identical_across_runs():
+    rng = np.random.default_rng(9)
+    options = dict(bias=rng.standard_normal((1, 24, 9)), bias_block=(3, 5), causal=True,
+                   rel_bias=rng.standard_normal(11), rel_q=rng.standard_normal((2, 70, 3)),
+                   rel_k=rng.standard_normal((5, 3)))
+    first, _ = _emulated_and_numpy_gradients(np.float32, "attention_bwd_simt", 70, 45, **options)
+    second, _ = _emulated_and_numpy_gradients(np.float32, "attention_bwd_simt", 70, 45, **options)
+    for name in ("dq", "dbias", "drel_bias", "drel_q", "drel_k"):
+        assert getattr(first, name).tobytes() == getattr(second, name).tobytes(), name

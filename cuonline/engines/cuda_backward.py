@@ -12,9 +12,10 @@ module (the target compiles the family's text) -> typed arguments
 
 Host work, all in a fixed order (no atomics, no reduction whose order depends on scheduling,
 so two runs give bitwise identical gradients): ``Delta_i = rowsum(dO_i * O_i)`` in the
-accumulation dtype, the sums over broadcast dimensions, and the bias-type gradients reduced
-from the kernels' dS workspace (a bias to its shape, a block bias over its blocks, a relative
-bias over its diagonals). The dQ kernel also sums each row's weights P; an ``lse`` under
+accumulation dtype, the sums over broadcast dimensions (one reduction per gradient), and the
+sums of the kernels' partials (a block bias's slots, the query tiles' relative partials). No array of Lq x Lk places is allocated unless it is the gradient (a bias):
+the dQ kernel reduces a block bias's, rel_bias's and rel_q/rel_k's gradients per tile
+(``kernels_cu/attention_grads.cuh``). The dQ kernel also sums each row's weights P; an ``lse`` under
 which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
 
@@ -29,7 +30,7 @@ from ..kernels import arguments, families, features, heuristics
 from ..kernels.specs import AttentionBwdMmaSpec
 from . import target as _target
 
-__all__ = ["attention_backward", "gradients", "weighted_sums"]
+__all__ = ["attention_backward", "block_bias_slots", "gradients"]
 
 #: Gradient fields of the per-batch result and of Gradients -> the input each belongs to.
 _INPUTS = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias", "drel_bias": "rel_bias",
@@ -43,9 +44,20 @@ def attention_backward(bp):
     from .._gradients import Gradients  # noqa: PLC0415 - the API's result type
 
     full = gradients(bp.forward, bp.dout, bp.out, bp.lse)
-    # gradient field -> the input it belongs to (BackwardProblem.targets' names)
-    return Gradients(**{field: bp.reduce(name, full[field])
+    xp = bp.forward.xp
+    # gradient field -> the input it belongs to (BackwardProblem.targets' names); the
+    # dimensions an input was broadcast along summed by one reduction each
+    return Gradients(**{field: bp.reduce(name, _sum_broadcast(xp, full[field],
+                                                              bp.targets[name].shape))
                         for field, name in _INPUTS.items() if full[field] is not None})
+
+
+def _sum_broadcast(xp, grad, shape):
+    """``grad`` summed (one reduction, keeping the dimensions) over every dimension along
+    which an input of ``shape`` was broadcast to it."""
+    padded = (1,) * (grad.ndim - len(shape)) + tuple(shape)
+    axes = tuple(a for a, (n, g) in enumerate(zip(padded, grad.shape)) if n == 1 and g != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
 def gradients(p, dout, out, lse):
@@ -70,17 +82,12 @@ def _run(p, dout, out, lse, target):
     shape = p.batch_shape
     dout = xp.broadcast_to(dout, shape + (p.lq, p.dv))
     out = xp.broadcast_to(out, shape + (p.lq, p.dv))
-    want_ds = heuristics.bwd_writes_ds(_bias_terms(p))
-    want_dc = _has_rel_qk(p)
+    want_ds = heuristics.bwd_writes_ds(features.backward_of_problem(p))
+    rel_bias = getattr(p, "rel_bias", None) is not None
+    rel_qk = _has_rel_qk(p)
     if p.nbatch == 0 or p.lq == 0 or p.lk == 0:
         # no place is visible: every gradient is zero
-        def places():
-            return xp.zeros(shape + (p.lq, p.lk), dtype=acc)
-
-        return _result(p, xp.zeros(shape + (p.lq, p.d), dtype=acc),
-                       xp.zeros(shape + (p.lk, p.d), dtype=acc),
-                       xp.zeros(shape + (p.lk, p.dv), dtype=acc),
-                       places() if want_ds else None, places() if want_dc else None)
+        return _zero_result(p)
     if p.d == 0 or p.dv == 0:
         # As the forward: D = 0 is one column of zeros in q and k (every q·k is 0), Dv = 0 one
         # column of zeros in v, out and dout (dP = 0, Delta = 0: no gradient flows). The padded
@@ -112,11 +119,30 @@ def _run(p, dout, out, lse, target):
     dq = xp.empty((nb, p.lq, p.d), dtype=acc)
     dk = xp.empty((nb, p.lk, p.d), dtype=acc)
     dv = xp.empty((nb, p.lk, p.dv), dtype=acc)
-    # places outside every query tile's key loop are never written: zero from the start
-    ds = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_ds else None
-    dc = xp.zeros((nb, p.lq, p.lk), dtype=acc) if want_dc else None
+    # dS only where it is the gradient (a bias: its places outside every query tile's key
+    # loop are never written, so zero from the start); the other gradients are reduced in the
+    # kernels into partials (zero from the start), which the key tiles add to: a block bias's
+    # per block in `slots` copies (query tiles sharing a block row write different ones), the
+    # relative ones per query tile (drel_q: per row)
+    tiles = -(-p.lq // plan.spec.block_r)
+    block = getattr(p, "bias_block", None)
+    slots = 0
+    if want_ds:
+        ds = xp.zeros((nb, p.lq, p.lk), dtype=acc)
+    elif p.bias is not None:
+        rows, cols = (min(n, max(size, 1)) for n, size in zip(block, (p.lq, p.lk)))
+        slots = block_bias_slots(rows, plan.spec.block_r, tiles)
+        ds = xp.zeros((nb, slots, -(-p.lq // rows), -(-p.lk // cols)), dtype=acc)
+    else:
+        ds = None
+    drel_bias = (xp.zeros((nb, tiles, 2 * p.rel_bias_radius + 1), dtype=acc)
+                 if rel_bias else None)
+    drel_q = xp.zeros((nb, p.lq, p.dr), dtype=acc) if rel_qk else None
+    drel_k = (xp.zeros((nb, tiles, 2 * p.rel_k_radius + 1, p.dr), dtype=acc)
+              if rel_qk else None)
     row_sums = xp.empty((nb, p.lq), dtype=acc)
-    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums)
+    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
+                            row_sums)
 
     module = target.module(plan.spec)
     # the family's two entry points, dK/dV then dQ
@@ -130,8 +156,16 @@ def _run(p, dout, out, lse, target):
     def full(x):
         return xp.reshape(x, shape + x.shape[1:])
 
-    return _result(p, full(dq), full(dk), full(dv), None if ds is None else full(ds),
-                   None if dc is None else full(dc))
+    given = dict(dq=full(dq), dk=full(dk), dv=full(dv))
+    if ds is not None:
+        # a block bias: its slots summed in one fixed-order reduction
+        given["dbias"] = full(ds) if not slots else full(ds.sum(axis=1))
+    if rel_bias:
+        # the query tiles' partials, summed in one fixed-order reduction
+        given["drel_bias"] = full(drel_bias.sum(axis=1))
+    if rel_qk:
+        given["drel_q"], given["drel_k"] = full(drel_q), full(drel_k.sum(axis=1))
+    return _zero_result(p, **given)
 
 
 #: precision="tf32" rounds q and k to 10 mantissa bits where a family has tensor cores, and not
@@ -188,134 +222,41 @@ def _plan(p, dout, target, want_ds):
     return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
 
 
-def _bias_terms(p):
-    """The bias-type terms ``p`` has (their gradient is dS, reduced)."""
-    return tuple(n for n, x in (("bias", p.bias), ("rel_bias", getattr(p, "rel_bias", None)))
-                 if x is not None)
-
-
 def _has_rel_qk(p):
     """Whether ``p`` has the rel_q · rel_k term (Dr = 0 adds exactly 0: no gradient flows)."""
     return getattr(p, "rel_q", None) is not None and p.dr > 0
 
 
-def _result(p, dq, dk, dv, ds, dc):
+def _zero_result(p, **given):
+    """The gradients of ``p`` (:func:`gradients`' dict): those ``given``, zero for every
+    other term ``p`` has (no place is visible, or Dr = 0: no gradient flows), None for the
+    terms it has not."""
     xp = p.xp
-    result = dict(dq=dq, dk=dk, dv=dv, dbias=None, drel_bias=None, drel_q=None, drel_k=None)
+    shape = p.batch_shape
+
+    def zeros(*tail):
+        return xp.zeros(shape + tuple(tail), dtype=p.acc_dtype)
+
+    tails = dict(dq=(p.lq, p.d), dk=(p.lk, p.d), dv=(p.lk, p.dv))
     if p.bias is not None:
         block = getattr(p, "bias_block", None)
-        result["dbias"] = ds if block is None else block_sums(xp, ds, block)
+        tails["dbias"] = ((p.lq, p.lk) if block is None else
+                          (-(-p.lq // max(1, min(block[0], max(p.lq, 1)))),
+                           -(-p.lk // max(1, min(block[1], max(p.lk, 1))))))
     if getattr(p, "rel_bias", None) is not None:
-        result["drel_bias"] = diagonal_sums(xp, ds, p.diagonal_offset, p.rel_bias_radius)
+        tails["drel_bias"] = (2 * p.rel_bias_radius + 1,)
     if getattr(p, "rel_q", None) is not None:
-        if dc is None:   # Dr = 0: empty gradients
-            result["drel_q"] = xp.zeros(p.batch_shape + p.rel_q.shape[-2:], dtype=p.acc_dtype)
-            result["drel_k"] = xp.zeros(p.batch_shape + p.rel_k.shape[-2:], dtype=p.acc_dtype)
-        else:
-            result["drel_q"], result["drel_k"] = relative_qk_sums(
-                xp, dc, p.rel_q, p.rel_k, p.diagonal_offset, p.rel_k_radius)
+        tails["drel_q"], tails["drel_k"] = p.rel_q.shape[-2:], p.rel_k.shape[-2:]
+    result = dict.fromkeys(("dq", "dk", "dv", "dbias", "drel_bias", "drel_q", "drel_k"))
+    for name, tail in tails.items():
+        result[name] = given[name] if name in given else zeros(*tail)
     return result
 
 
-def block_sums(xp, ds, block):
-    """``ds`` ``(..., lq, lk)`` summed over blocks of ``block = (r, c)`` places: ``(...,
-    ceil(lq / r), ceil(lk / c))`` (a block cut by the edge sums what it has)."""
-    lq, lk = ds.shape[-2:]
-    # a block taller (wider) than the places is one block, as in the forward's arguments:
-    # clipped, the padding below stays under one block of the places' own size
-    r, c = min(block[0], max(lq, 1)), min(block[1], max(lk, 1))
-    rows, cols = -(-lq // r), -(-lk // c)
-    padded = xp.zeros(ds.shape[:-2] + (rows * r, cols * c), dtype=ds.dtype)
-    padded[..., :lq, :lk] = ds
-    return padded.reshape(ds.shape[:-2] + (rows, r, cols, c)).sum(axis=(-3, -1))
-
-
-def diagonal_sums(xp, ds, diagonal_offset, radius):
-    """The gradient of a relative bias of radius ``radius`` from ``ds`` ``(..., lq, lk)``:
-    entry ``radius + clip(delta, -radius, radius)`` sums the places of that clipped
-    ``delta = j - i - diagonal_offset``; shape ``(..., 2 radius + 1)``.
-
-    The places of one diagonal are gathered by a skew (place (i, j) to column j - i + lq - 1,
-    each written once), summed over i, then the diagonals beyond the radius are summed into
-    the two end entries: fixed orders throughout.
-    """
-    skew, base = _skew(xp, ds, diagonal_offset)
-    return _clip_merge(xp, skew.sum(axis=-2), base, radius)
-
-
-def relative_qk_sums(xp, dc, rel_q, rel_k, diagonal_offset, radius):
-    """The gradients of ``rel_q`` ``(..., lq, Dr)`` and ``rel_k`` ``(..., 2 radius + 1, Dr)``
-    from the content gradient ``dc`` ``(..., lq, lk)``: place (i, j) adds ``dc rel_k[row]``
-    to ``rel_q[i]`` and ``dc rel_q[i]`` to ``rel_k[row]``, row = ``radius + clip(delta, -radius,
-    radius)``. On the skew of ``dc`` (one column per diagonal, each of one row of ``rel_k``)
-    both are matrix products, then the diagonals beyond the radius are merged into the end
-    rows as in :func:`diagonal_sums`."""
-    lq = dc.shape[-2]
-    batch = dc.shape[:-2]
-    skew, base = _skew(xp, dc, diagonal_offset)           # (..., lq, n)
-    n = skew.shape[-1]
-    table = xp.broadcast_to(rel_k, batch + rel_k.shape[-2:]).astype(dc.dtype, copy=False)
-    rows = xp.clip(xp.arange(n) + base, -radius, radius) + radius
-    drel_q = weighted_sums(xp, skew, table[..., rows, :])        # (..., lq, Dr)
-    queries = xp.broadcast_to(rel_q, batch + (lq, rel_q.shape[-1])).astype(dc.dtype, copy=False)
-    per_diagonal = weighted_sums(xp, xp.swapaxes(skew, -1, -2), queries)   # (..., n, Dr)
-    drel_k = _clip_merge(xp, xp.moveaxis(per_diagonal, -1, -2), base, radius)
-    return drel_q, xp.moveaxis(drel_k, -1, -2)
-
-
-def weighted_sums(xp, w, x):
-    """``w @ x`` (``(..., m, n) @ (..., n, c)``) where a zero weight adds exactly 0, whatever
-    ``x`` holds there: the rows of a relative table that no visible place uses (weight 0) may
-    be NaN or inf, and a matrix product would make 0 * NaN = NaN of them (docs/semantics.md:
-    invisible places contribute exactly zero).
-
-    Finite ``x``: the product itself. Otherwise the product of the finite part, and each
-    non-finite entry added where a non-zero weight meets it: NaN, or an infinity of the sign
-    of weight times entry (both signs: NaN), counted by products of indicators.
-    """
-    bad = ~xp.isfinite(x)
-    if not bool(bad.any()):
-        return xp.matmul(w, x)
-    result = xp.matmul(w, xp.where(bad, 0, x))
-
-    def meets(weights, entries):   # how many non-zero weights meet such entries, per result
-        return xp.matmul(weights.astype(result.dtype), entries.astype(result.dtype)) > 0
-
-    positive, negative = w > 0, w < 0
-    plus, minus = x == np.inf, x == -np.inf
-    to_plus = meets(positive, plus) | meets(negative, minus)
-    to_minus = meets(positive, minus) | meets(negative, plus)
-    result = xp.where(meets(w != 0, xp.isnan(x)), np.nan, result)
-    result = xp.where(to_plus, result + np.inf, result)
-    return xp.where(to_minus, result - np.inf, result)       # with to_plus: inf - inf = NaN
-
-
-def _skew(xp, x, diagonal_offset):
-    """``x`` ``(..., lq, lk)`` with place (i, j) moved to column j - i + lq - 1 of a zero
-    ``(..., lq, lq + lk - 1)`` array (each place written once); and the delta of column 0."""
-    lq, lk = x.shape[-2:]
-    skew = xp.zeros(x.shape[:-2] + (lq, lq + lk - 1), dtype=x.dtype)
-    rows = xp.arange(lq)[:, None]
-    skew[..., rows, xp.arange(lk)[None, :] - rows + (lq - 1)] = x
-    return skew, -(lq - 1) - int(diagonal_offset)
-
-
-def _clip_merge(xp, per_diagonal, base, radius):
-    """Per-diagonal values ``(..., n)`` (column k has delta ``k + base``) summed into the
-    ``2 radius + 1`` entries of the clipped deltas: the interior ones are single columns, the
-    two ends the sums of the columns beyond the radius."""
-    n = per_diagonal.shape[-1]
-    out = xp.zeros(per_diagonal.shape[:-1] + (2 * radius + 1,), dtype=per_diagonal.dtype)
-
-    def column(delta):                          # the column of `delta`, clipped to [0, n]
-        return min(max(delta - base, 0), n)
-
-    if radius == 0:
-        out[..., 0] = per_diagonal.sum(axis=-1)
-        return out
-    low, high = column(-radius + 1), column(radius)   # columns of the interior deltas
-    out[..., 0] = per_diagonal[..., :low].sum(axis=-1)
-    out[..., -1] = per_diagonal[..., high:].sum(axis=-1)
-    if low < high:   # interior deltas: one diagonal each, entry k + base + radius
-        out[..., low + base + radius:high + base + radius] = per_diagonal[..., low:high]
-    return out
+def block_bias_slots(rows, block_r, n_tiles):
+    """How many copies of a block bias's gradient the dQ kernel adds into
+    (``block_bias_slots`` in ``kernels_cu/attention_grads.cuh``): query tile t of ``block_r``
+    rows writes copy ``t % slots``, and two tiles that share a block of ``rows`` rows never
+    share a copy. One where the blocks tile the query tiles."""
+    slots = 1 if rows <= block_r and block_r % rows == 0 else (rows - 1) // block_r + 2
+    return min(slots, n_tiles)

@@ -218,7 +218,8 @@ def softmax_arguments(xp, x, mask, out, plan, scale):
 #: and values (:func:`attention_fwd_arguments` builds them); the offset table gains a column.
 ATTENTION_BWD_SIGNATURE = (
     "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
-    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "dc", "row_sums", "offsets", "strides",
+    "dout", "lse", "delta", "dq", "dk", "dv", "ds", "drel_bias", "drel_q", "drel_k",
+    "row_sums", "offsets", "strides",
     "lq", "lk",
     "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
     "bias_block_cols", "rel_bias_radius", "rel_k_radius",
@@ -232,16 +233,20 @@ class _NoSplit:
         self.split_keys = lk
 
 
-def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums):
+def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
+                            row_sums):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
     ``p`` is the forward :class:`cuonline._validate.Problem`; ``dout`` a view broadcast to
     ``batch_shape + (lq, dv)`` (any strides: addressed through the offset table's last
     column, after the forward's :data:`OPERANDS`); ``lse`` and ``delta`` contiguous
-    ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds`` and
-    ``dc`` ``(nbatch, lq, lk)`` or None, ``row_sums`` ``(nbatch, lq)`` (the dQ kernel's record
-    of each row's sum of P), all in the accumulation dtype.
+    ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds``
+    ``(nbatch, lq, lk)`` (a bias's gradient) or None, the relative gradients' partials
+    ``drel_bias`` ``(nbatch, n_query_tiles, Rb)``, ``drel_q`` ``(nbatch, lq, Dr)`` and
+    ``drel_k`` ``(nbatch, n_query_tiles, Rk, Dr)``, zero-filled, or None, ``row_sums``
+    ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
+    accumulation dtype.
     """
     xp = p.xp
     forward = dict(zip(ATTENTION_FWD_SIGNATURE,
@@ -255,6 +260,7 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, dc, row_sums):
     strides = xp.ascontiguousarray(
         xp.concatenate([forward["strides"], xp.reshape(xp.asarray(st, dtype=np.int64), (1, 2))],
                        axis=0))
-    values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds, dc=dc,
+    values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds,
+                  drel_bias=drel_bias, drel_q=drel_q, drel_k=drel_k,
                   row_sums=row_sums, offsets=offsets, strides=strides)
     return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)

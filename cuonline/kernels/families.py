@@ -18,7 +18,7 @@ from typing import Callable
 from . import arguments, features, heuristics, softmax_plan
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
 from .specs import (SOFTMAX_MODES, AttentionBwdMmaSpec, AttentionBwdSimtSpec, AttentionMmaSpec,
-                    AttentionSimtSpec, SoftmaxSpec, acc_name)
+                    AttentionSimtSpec, SoftmaxSpec, acc_name, bwd_bias_tile)
 
 __all__ = ["FAMILIES", "Family", "backward_family", "entries_of", "files_of", "forward_families",
            "get", "of", "listing_specs", "plan_attention", "select_forward"]
@@ -173,7 +173,8 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
 def _bwd(dtype, d, dv, *, arch, features=()):
     dr = LISTING_DR if "rel_qk" in features else 0
     try:
-        warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr)
+        warps, rows, per = heuristics.choose_bwd_tiles(dtype, d, dv, arch, dr,
+                                                       bwd_bias_tile(features))
     except ValueError:
         return None   # does not fit this arch's shared memory: the planner refuses it too
     return AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(dtype), d=d, dv=dv, warps=warps,
@@ -203,7 +204,11 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
 
 def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
     dr = LISTING_DR if "rel_qk" in features else 0
-    warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr)
+    try:
+        warps, block_c = heuristics.choose_bwd_mma_tiles(dtype, d, dv, arch, dr,
+                                                         bwd_bias_tile(features))
+    except ValueError:
+        return None   # does not fit this arch (float64 with every option on sm_80): SIMT runs it
     return AttentionBwdMmaSpec(dtype=dtype, d=d, dv=dv, warps=warps, block_c=block_c,
                                cp_async=cp_async, write_ds=heuristics.bwd_writes_ds(features),
                                features=features, dr=dr)
@@ -292,6 +297,7 @@ FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, ATTENTION_
             ATTENTION_BWD_MMA, SOFTMAX)
 _BY_NAME = {f.name: f for f in FAMILIES}
 assert set(features.FORWARD_FAMILIES) == {f.name for f in FAMILIES if f.runs is not None}
+assert set(features.BACKWARD_FAMILIES) == {ATTENTION_BWD_SIMT.name, ATTENTION_BWD_MMA.name}
 
 
 def get(name: str) -> Family:

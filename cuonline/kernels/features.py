@@ -20,9 +20,11 @@ __all__ = ["BACKWARD_FAMILIES", "BACKWARD_FEATURES", "FEATURES", "FORWARD_FAMILI
            "Feature", "MMA_BACKWARD_FEATURES", "backward_of_problem", "by_name", "of_problem",
            "supported_by", "with_required"]
 
-#: The attention forward families (names as in :mod:`cuonline.kernels.families`). Named here
-#: as the families each option supports; the registry checks that every name is registered.
+#: The attention forward and backward families (names as in :mod:`cuonline.kernels.families`).
+#: Named here as the families each option supports; the registry checks that every name is
+#: registered.
 FORWARD_FAMILIES = ("attention_fwd_simt", "attention_fwd_mma")
+BACKWARD_FAMILIES = ("attention_bwd_simt", "attention_bwd_mma")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,11 @@ class Feature:
     arguments : tuple of str
         The kernel parameters that carry its data (names as in the families' signatures).
     families : tuple of str
-        The kernel families that support it.
+        The forward kernel families that support it.
+    backward_families : tuple of str
+        The backward kernel families that support it (its gradient, or none for a term that
+        has none): the score pipeline's terms both, ``softcap_bias`` the SIMT one,
+        ``return_lse`` none (the backward takes lse as an input).
     requires : tuple of str
         The features it modifies, which a variant with it always has too (validation refuses
         a call that sets it alone).
@@ -52,6 +58,7 @@ class Feature:
     arguments: tuple
     families: tuple = FORWARD_FAMILIES
     requires: tuple = ()
+    backward_families: tuple = BACKWARD_FAMILIES
 
 
 #: In key order. ``causal`` has no row: it is folded into ``window`` by validation.
@@ -78,8 +85,9 @@ FEATURES = (
     Feature("softcap", lambda p: p.softcap is not None, "CUONLINE_HAS_SOFTCAP", ("softcap",)),
     # the soft cap applies to the whole logit, after bias and ALiBi (``softcap_bias=True``)
     Feature("softcap_bias", lambda p: p.softcap_bias, "CUONLINE_SOFTCAP_BIAS", ("softcap",),
-            requires=("softcap",)),
-    Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",)),
+            requires=("softcap",), backward_families=("attention_bwd_simt",)),
+    Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",),
+            backward_families=()),
 )
 
 _BY_NAME = {f.name: f for f in FEATURES}
@@ -95,8 +103,8 @@ def by_name(name: str) -> Feature:
 
 
 def supported_by(family: str) -> tuple:
-    """The rows ``family`` supports, in key order."""
-    return tuple(f for f in FEATURES if family in f.families)
+    """The rows ``family`` (forward or backward) supports, in key order."""
+    return tuple(f for f in FEATURES if family in f.families + f.backward_families)
 
 
 def with_required(names) -> tuple:
@@ -120,18 +128,13 @@ def of_problem(problem, family: str) -> tuple:
 # --------------------------------------------------------------------------------------------
 # the attention backward (issue 13)
 
-#: The attention backward families (names as in :mod:`cuonline.kernels.families`).
-BACKWARD_FAMILIES = ("attention_bwd_simt", "attention_bwd_mma")
-#: The rows of :data:`FEATURES` whose gradients the backward kernels give: the score
-#: pipeline's terms whose gradient is dS itself (bias, block bias, rel_bias: reduced from dS on
-#: the host), rel_qk (rel_q / rel_k from the content gradient dC, on the host) and those that
-#: have none (window, mask, kv_lengths, ALiBi, the soft caps' constants). Not return_lse (an
-#: input of the backward).
-BACKWARD_FEATURES = ("window", "bias", "bias_block", "mask", "kv_lengths", "alibi", "rel_bias",
-                     "rel_qk", "softcap", "softcap_bias")
+#: The rows of :data:`FEATURES` whose gradients the backward kernels give (the SIMT backward
+#: supports every one the backward has; not return_lse, an input of the backward), from the
+#: table's ``families``.
+BACKWARD_FEATURES = tuple(f.name for f in supported_by(BACKWARD_FAMILIES[0]))
 #: Those the tensor-core backward (``attention_bwd_mma``) compiles in; a call with another one
 #: (the soft cap of the whole logit) runs on ``attention_bwd_simt``.
-MMA_BACKWARD_FEATURES = tuple(n for n in BACKWARD_FEATURES if n != "softcap_bias")
+MMA_BACKWARD_FEATURES = tuple(f.name for f in supported_by(BACKWARD_FAMILIES[1]))
 
 
 def backward_of_problem(problem) -> tuple:

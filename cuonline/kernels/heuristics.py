@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import features
-from .specs import MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name, dtype_name
+from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
+                    bwd_bias_tile, dtype_name)
 
 __all__ = ["BwdPlan", "COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES",
            "MmaTiles", "Plan", "arch_number", "bwd_smem_limit", "bwd_uses_mma",
@@ -191,10 +192,11 @@ class Plan:
     shared_bytes: int
 
 
-def _shared_bytes(block_m, block_n, d, dv, acc_bytes, dr=0):
-    # AttentionSimtSpec.shared_bytes: sQ, sKV, and with rel_qk the rel_q rows and rel_k band
-    rel = (2 * block_m + block_n - 1) * (dr + 1) if dr else 0
-    return (block_m * d + block_n * (max(d, dv) + 1) + rel) * acc_bytes
+def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
+    """Shared memory of the SIMT forward block of these tiles: its spec's own count."""
+    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+    return AttentionSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
+                             rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
 
 
 def relative_dr(problem) -> int:
@@ -226,10 +228,9 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
             rows //= 2
         # the winner was measured without rel_qk: its staging may not fit beside it
         limit = simt_smem_limit(arch)
-        acc_bytes = np.dtype(acc_name(name)).itemsize
-        while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
+        while rows > 1 and _simt_smem(name, d, dv, warps, rows, keys, dr) > limit:
             rows //= 2
-        if _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) <= limit:
+        if _simt_smem(name, d, dv, warps, rows, keys, dr) <= limit:
             return warps, rows, keys
     acc_bytes = np.dtype(acc_name(name)).itemsize
     words = acc_bytes // 4
@@ -260,15 +261,15 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     # use them while the block stays within the no-opt-in shared budget and the scores stay
     # within 16 registers (double scores take two; sm_80's ptxas spilled f64 8x2 at d=32).
     keys = 2
-    if (_shared_bytes(warps * rows, 64, d, dv, acc_bytes, dr) > SMEM_NO_OPT_IN
+    if (_simt_smem(name, d, dv, warps, rows, 2, dr) > SMEM_NO_OPT_IN
             or rows * 2 * words > 16):
         keys = 1
     # Large heads in double: shrink the query tile until the block fits next to another one
     # (and within the arch's opt-in limit: sm_75 allows 64 KiB).
     limit = simt_smem_limit(arch)
-    while rows > 1 and _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr) > limit:
+    while rows > 1 and _simt_smem(name, d, dv, warps, rows, keys, dr) > limit:
         rows //= 2
-    need = _shared_bytes(warps * rows, 32 * keys, d, dv, acc_bytes, dr)
+    need = _simt_smem(name, d, dv, warps, rows, keys, dr)
     if need > limit and dr:
         # rel_qk's staging beside the largest heads (float64 D = 256 at one row: 85 KiB): one
         # block per SM, up to the arch's opt-in limit, rather than refusing the call
@@ -448,19 +449,25 @@ def bwd_smem_limit(arch: str = DEFAULT_ARCH) -> int:
     return mma_smem_limit(arch)
 
 
-def _bwd_shared_bytes(block_r, block_c, d, dv, acc_bytes, dr=0):
-    # AttentionBwdSimtSpec.shared_bytes
-    rel = (max(block_r, block_c) + block_r + block_c - 1) * (dr + 1) if dr else 0
-    return (block_r * (d + dv) + block_c * (d + dv + 4) + rel) * acc_bytes
+def _bwd_simt_smem(name, d, dv, warps, rows, per, dr=0, bias_tile=False):
+    """Shared memory of the SIMT backward block of these tiles: its spec's own count."""
+    from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
+
+    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
+    return AttentionBwdSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
+                                rows_per_warp=rows, items_per_lane=per, features=names,
+                                dr=dr).shared_bytes
 
 
-def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
+def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     """Return ``(warps, rows_per_warp, items_per_lane)`` of the SIMT backward family.
 
     A block owns ``warps * rows_per_warp`` rows (keys for dK/dV, queries for dQ) and streams
     tiles of ``32 * items_per_lane`` rows of the other kind. Raises ValueError when even one
     row per warp needs more shared memory than ``arch`` allows (float64 heads above 128 below
-    sm_80). ``dr``: the width of rel_q / rel_k (rel_qk), whose staging takes shared memory.
+    sm_80). ``dr``: the width of rel_q / rel_k (rel_qk), whose staging takes shared memory;
+    ``bias_tile``: the dQ kernel reduces dS in shared memory
+    (:func:`cuonline.kernels.specs.bwd_bias_tile`: rel_bias or a block bias).
     """
     name = dtype_name(dtype)
     acc_bytes = np.dtype(acc_name(name)).itemsize
@@ -482,15 +489,15 @@ def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
     # values per owned row and item) stay within 16 registers and the block within the
     # no-opt-in budget.
     per = 2
-    if (rows * per * 2 * words > 16 or _bwd_shared_bytes(warps * rows, 32 * per, d, dv,
-                                                         acc_bytes, dr) > SMEM_NO_OPT_IN):
+    if (rows * per * 2 * words > 16
+            or _bwd_simt_smem(name, d, dv, warps, rows, per, dr, bias_tile) > SMEM_NO_OPT_IN):
         per = 1
     # Large heads: fewer owned rows until the block fits beside another one on an SM
     # (SMEM_MAX), then, with one row per warp, the arch's opt-in limit.
-    while rows > 1 and _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes,
-                                         dr) > simt_smem_limit(arch):
+    while rows > 1 and _bwd_simt_smem(name, d, dv, warps, rows, per, dr,
+                                      bias_tile) > simt_smem_limit(arch):
         rows //= 2
-    need = _bwd_shared_bytes(warps * rows, 32 * per, d, dv, acc_bytes, dr)
+    need = _bwd_simt_smem(name, d, dv, warps, rows, per, dr, bias_tile)
     limit = bwd_smem_limit(arch)
     if need > limit:
         raise ValueError(
@@ -525,7 +532,8 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     dtype = dtype_name(problem.dtype)
     names = features.backward_of_problem(problem)
     dr = problem.dr if "rel_qk" in names else 0
-    warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, arch, dr)
+    warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, arch, dr,
+                                        bwd_bias_tile(names))
     if write_ds is None:
         write_ds = bwd_writes_ds(names)
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
@@ -541,14 +549,11 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
                    block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
 
 
-#: The backward features whose gradient the host reduces from dS (the dQ kernel writes it).
-BWD_DS_FEATURES = ("bias", "rel_bias")
-
-
 def bwd_writes_ds(names) -> bool:
-    """Whether a backward variant with features ``names`` writes dS (a bias-type gradient is
-    wanted: bias, block bias, rel_bias)."""
-    return any(n in BWD_DS_FEATURES for n in names)
+    """Whether a backward variant with features ``names`` writes dS per place: a plain bias,
+    whose gradient it is. A block bias's, rel_bias's and rel_q/rel_k's gradients are reduced
+    in the kernel."""
+    return "bias" in names and "bias_block" not in names
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,16 +579,17 @@ def bwd_uses_mma(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest",
     limit = MMA_BWD_MAX_HEAD_DIM.get(name, 0)
     return (max(d, dv) <= limit
             and all(n in features.MMA_BACKWARD_FEATURES for n in names)
-            and _bwd_mma_block(name, d, dv, arch, dr)[2] <= mma_smem_limit(arch))
+            and _bwd_mma_block(name, d, dv, arch, dr, bwd_bias_tile(names))[2]
+            <= mma_smem_limit(arch))
 
 
-def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
+def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     """Return ``(warps, block_c)`` of the tensor-core backward: 4 warps own 64 rows (16
     each: the mma's m); streamed tiles of 64 rows up to D = Dv = 64 and of 32 above, where
     dK and dV of 16 keys take (D + Dv) / 2 accumulators per lane and the transposed scores and
     dP another block_c (float64: two registers per accumulator, so 32-row tiles, 16 above
     D = 32). ValueError where the block does not fit ``arch``."""
-    warps, block_c, need = _bwd_mma_block(dtype, d, dv, arch, dr)
+    warps, block_c, need = _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile)
     limit = mma_smem_limit(arch)
     if need > limit:
         raise ValueError(
@@ -593,7 +599,7 @@ def choose_bwd_mma_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0):
     return warps, block_c
 
 
-def _bwd_mma_block(dtype, d, dv, arch, dr):
+def _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile=False):
     """``(warps, block_c, shared bytes)`` of the tensor-core backward's block (see
     :func:`choose_bwd_mma_tiles`), whether or not it fits ``arch``."""
     from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
@@ -602,7 +608,8 @@ def _bwd_mma_block(dtype, d, dv, arch, dr):
         block_c = 32 if max(d, dv) <= 32 else 16
     else:
         block_c = 64 if max(d, dv) <= 64 else 32
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
+    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
+    rel = dict(features=names, dr=dr)
     need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=WARPS,
                                block_c=block_c, **rel).shared_bytes
     return WARPS, block_c, need
@@ -621,7 +628,8 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
         raise ValueError(f"attention_bwd_mma does not run {dtype} D = {problem.d}, "
                          f"Dv = {problem.dv}{f', Dr = {dr}' if dr else ''} with {names} on "
                          f"{arch}")
-    warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr)
+    warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr,
+                                          bwd_bias_tile(names))
     if write_ds is None:
         write_ds = bwd_writes_ds(names)
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,

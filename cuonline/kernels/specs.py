@@ -11,6 +11,7 @@ every variant is the same ``.cu`` text specialised by constants, never a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,6 +41,12 @@ def acc_name(dtype) -> str:
     with ``"bfloat16"`` judged by float16 (a 16-bit float NumPy knows without ml_dtypes)."""
     name = dtype_name(dtype)
     return _semantics.accumulation_dtype("float16" if name == "bfloat16" else name).name
+
+
+def bwd_bias_tile(names) -> bool:
+    """Whether a backward dQ kernel with features ``names`` reduces dS in shared memory
+    (rel_bias, block bias: their gradients are sums of dS); a plain bias writes dS itself."""
+    return "rel_bias" in names or "bias_block" in names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +107,33 @@ class AttentionSpec:
                              f"feature and 0 without it, got dr={self.dr!r} with features "
                              f"{self.features!r}")
 
+    if TYPE_CHECKING:
+        # What every family's spec declares (a field, or a property where derived), read by
+        # the shared methods below; declared here for the type checker only, so that the
+        # dataclass fields and their order stay the families' own.
+        @property
+        def dtype(self) -> str: ...
+        @property
+        def acc(self) -> str: ...
+        @property
+        def d(self) -> int: ...
+        @property
+        def dv(self) -> int: ...
+        @property
+        def warps(self) -> int: ...
+        @property
+        def block_m(self) -> int: ...
+        @property
+        def block_n(self) -> int: ...
+        @property
+        def block_r(self) -> int: ...
+        @property
+        def block_c(self) -> int: ...
+
+    def _tile_defines(self) -> dict:
+        """The family's tile parameters as ``#define`` name -> value."""
+        raise NotImplementedError(f"{type(self).__name__} defines no tile parameters")
+
     def _rel_shared_bytes(self) -> int:
         """Shared memory of the rel_qk staging, in the accumulation type: the query tile's
         rel_q rows (block_m, dr + 1) and the key tile's band of rel_k (block_m + block_n - 1,
@@ -107,6 +141,13 @@ class AttentionSpec:
         if not self.dr:
             return 0
         return (2 * self.block_m + self.block_n - 1) * (self.dr + 1) * self.acc_itemsize
+
+    def _grad_tile_bytes(self) -> int:
+        """Shared memory of a backward dQ kernel's in-kernel gradient reductions: one (block_r,
+        block_c + 1) accumulation-type tile of dS with rel_bias or a block bias
+        (:func:`bwd_bias_tile`) and one of dC with rel_qk."""
+        tiles = int(bwd_bias_tile(self.features)) + int(self.dr > 0)
+        return tiles * self.block_r * (self.block_c + 1) * self.acc_itemsize
 
     def _dim_parts(self) -> list:
         """``d64``, ``dv64`` and, with rel_qk, ``dr32``: the head widths in a key."""
@@ -427,13 +468,15 @@ class AttentionBwdSimtSpec(AttentionSpec):
         kernel, queries in the dQ kernel) and streams tiles of ``block_c = 32 *
         items_per_lane`` rows of the other kind.
     write_ds : bool
-        The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace,
-        from which the host reduces the bias (block bias, rel_bias) gradients.
+        The dQ kernel writes each logit's gradient dS into a ``(nbatch, lq, lk)`` workspace:
+        the gradient of a (plain) bias. The other gradients are reduced in the kernel
+        (attention_grads.cuh): a block bias's into slots of per-block sums, rel_bias's and
+        rel_k's into per-query-tile partials, rel_q's per row.
     features, dr
         Keyword-only: the options compiled in, among
         :data:`cuonline.kernels.features.BACKWARD_FEATURES`, and the width of rel_q / rel_k
-        (positive exactly with ``rel_qk``: the dQ kernel then also writes the content
-        gradient dC). ``split`` is always False.
+        (positive exactly with ``rel_qk``: the dQ kernel then also reduces the content
+        gradient dC into the rel_q / rel_k gradients). ``split`` is always False.
     """
 
     dtype: str
@@ -449,7 +492,7 @@ class AttentionBwdSimtSpec(AttentionSpec):
 
     def __post_init__(self):
         self._check_simt_shape()
-        self._check_features(_features.BACKWARD_FEATURES, split=False)
+        self._check_features(split=False)
 
     @property
     def block_r(self) -> int:
@@ -472,7 +515,8 @@ class AttentionBwdSimtSpec(AttentionSpec):
         at dr + 1 per row), in the accumulation type."""
         r, c = self.block_r, self.block_c
         rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
-        return (r * (self.d + self.dv) + c * (self.d + self.dv + 4) + rel) * self.acc_itemsize
+        return ((r * (self.d + self.dv) + c * (self.d + self.dv + 4) + rel)
+                * self.acc_itemsize + self._grad_tile_bytes())
 
     @property
     def key(self) -> str:
@@ -548,7 +592,7 @@ class AttentionBwdMmaSpec(AttentionSpec):
         if not 1 <= self.warps <= 8 or self.block_c % 16 or not 16 <= self.block_c <= 128:
             raise ValueError(f"bad tile shape of {self.family}: warps={self.warps}, "
                              f"block_c={self.block_c}")
-        self._check_features(_features.MMA_BACKWARD_FEATURES, split=False)
+        self._check_features(split=False)
 
     @property
     def acc(self) -> str:
@@ -585,7 +629,7 @@ class AttentionBwdMmaSpec(AttentionSpec):
                  * (_smem_stride(dp, itemsize) + _smem_stride(dvp, itemsize)) * itemsize)
         r, c = self.block_r, self.block_c
         rel = (max(r, c) + r + c - 1) * (self.dr + 1) if self.dr else 0
-        return tiles + (2 * c + rel) * self.acc_itemsize
+        return tiles + (2 * c + rel) * self.acc_itemsize + self._grad_tile_bytes()
 
     @property
     def key(self) -> str:
