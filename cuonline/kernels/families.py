@@ -43,7 +43,7 @@ class Family:
         The kernel symbols ``source`` defines.
     spec : type or None
         The spec class of its variants; None for a family compiled only inside another's text.
-    planner : callable or None
+    planner : callable
         Problem (and launch context) -> plan of a launch.
     arguments : callable
         The typed argument builder of its entry points.
@@ -62,7 +62,7 @@ class Family:
     headers: tuple
     entries: tuple
     spec: type | None
-    planner: Callable | None
+    planner: Callable
     arguments: Callable
     listing: Callable | None = None
     includes: tuple = ()
