@@ -604,7 +604,8 @@ def attention_stats(
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
                                             rows=rows)
-    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    engine = importlib.import_module("cuonline.engines." + (
+        "numpy_stats" if sp.scores.cu_seqlens_q is None else _VARLEN_ENGINE))
     return AttentionStats(**engine.attention_stats(sp))
 
 

@@ -2,9 +2,9 @@
 
 No new numerics: the sequences of a packed batch are grouped by their shape, each group is
 stacked into one batch axis (a copy of its rows) and handed to the NumPy forward
-(:func:`.numpy.attention`) or backward (:func:`.numpy_backward.attention_backward`) as an
-ordinary :class:`cuonline._validate.Problem`, whose results are scattered back into the packed
-layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
+(:func:`.numpy.attention`), backward (:func:`.numpy_backward.attention_backward`) or
+statistics (:mod:`.numpy_stats`) as an ordinary :class:`cuonline._validate.Problem`, whose
+results are scattered back into the packed layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
 sequences of one group (every 300-residue protein, say) are one call whose tasks keep the
 pool busy, however short each sequence is.
 
@@ -27,9 +27,9 @@ from . import numpy as numpy_forward
 from . import numpy_backward
 
 if TYPE_CHECKING:
-    from .._validate import BackwardProblem, Problem
+    from .._validate import BackwardProblem, Problem, StatsProblem
 
-__all__ = ["Group", "attention", "attention_backward", "groups"]
+__all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +164,81 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
                      drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
                      drel_k=reduced.get("rel_k"))
+
+
+def attention_stats(sp: StatsProblem) -> dict:
+    """The fields of :class:`cuonline.AttentionStats` of the packed statistics problem
+    ``sp``: row statistics packed like the queries (``S + (total_q,)``, key indices those of
+    the packed keys), ``received`` like the keys (``S + (total_k,)``; keys of a sequence
+    without queries receive 0), ``weights`` ``S + (len(rows), total_k)`` (0 outside each
+    row's sequence). A query of a sequence without keys gets what a row that sees no key gets
+    (``lse = -inf``, entropy 0, argmax -1, ...)."""
+    from . import numpy_stats
+    from .cpu_runtime import workers
+
+    p = sp.scores
+    batch, acc = p.batch_shape, p.acc_dtype
+    n_workers = workers() if p.workers is None else p.workers
+    # every row starts as one that sees no key: the finished state of an empty RowState
+    empty = numpy_stats.RowState(int(np.prod(batch, dtype=np.int64)) * p.lq, sp.top_k, acc,
+                                 sp.entropy)
+    result = numpy_stats.finished(empty, batch + (p.lq,))
+    result.update(received=None, weights=None)
+    if sp.received:
+        result["received"] = np.zeros(batch + (p.lk,), dtype=acc)
+    if sp.rows is not None:
+        result["weights"] = np.zeros(batch + (sp.rows.size, p.lk), dtype=acc)
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        weights = None if sp.query_weights is None else _gather(sp.query_weights, g.index_q,
+                                                                batch)
+        sub_sp = dataclasses.replace(sp, scores=sub, query_weights=weights, rows=None)
+        fields = numpy_stats.finished(numpy_stats.row_state(sub_sp, n_workers),
+                                      sub.batch_shape + (g.lq,))
+        rows_q = g.index_q.reshape(-1)
+        first_key = p.cu_seqlens_k[list(g.sequences)][:, None]     # (G, 1)
+        for name, x in fields.items():
+            if x is None:
+                continue
+            if name in ("argmax", "top_indices"):
+                # a sequence's key j is packed key cu_seqlens_k[b] + j; -1 stays -1
+                shift = first_key if x.ndim == len(sub.batch_shape) + 1 else first_key[..., None]
+                x = np.where(x < 0, -1, x + shift)
+            tail = x.shape[len(batch) + 2:]
+            result[name][(slice(None),) * len(batch) + (rows_q,)] = x.reshape(
+                batch + (-1,) + tail)
+        real = (np.arange(g.lk) < g.lengths_k[:, None]).reshape(-1)
+        rows_k = g.index_k.reshape(-1)[real]
+        if sp.received:
+            got = numpy_stats.received(sub, fields["lse"], weights, n_workers)
+            result["received"][..., rows_k] = got.reshape(batch + (-1,))[..., real]
+        if sp.rows is not None:
+            _rows_of_group(sp, p, g, sub, fields["lse"], result["weights"], n_workers)
+    return result
+
+
+def _rows_of_group(sp, p, g: Group, sub, lse, out, n_workers) -> None:
+    """Write into ``out`` (``S + (len(rows), total_k)``) the requested rows that belong to
+    group ``g``'s sequences: their rows of ``P`` over their own keys."""
+    from . import numpy_stats
+
+    batch = p.batch_shape
+    rows = np.asarray(sp.rows)
+    cq = p.cu_seqlens_q
+    for member, b in enumerate(g.sequences):
+        where = np.flatnonzero((rows >= cq[b]) & (rows < cq[b + 1]))
+        if not where.size:
+            continue
+        one = dataclasses.replace(
+            sub, batch_shape=batch,
+            q=sub.q[..., member, :, :], k=sub.k[..., member, :, :], v=sub.v[..., member, :, :],
+            rel_q=None if sub.rel_q is None else sub.rel_q[..., member, :, :],
+            kv_lengths=None if sub.kv_lengths is None else sub.kv_lengths[..., member],
+            alibi_slopes=None if sub.alibi_slopes is None else sub.alibi_slopes[..., member],
+            rel_bias=None if sub.rel_bias is None else sub.rel_bias[..., member, :],
+            rel_k=None if sub.rel_k is None else sub.rel_k[..., member, :, :])
+        got = numpy_stats.weights_of_rows(one, lse[..., member, :], rows[where] - cq[b],
+                                          n_workers)
+        length = int(g.lengths_k[member])
+        start = int(p.cu_seqlens_k[b])
+        out[..., where, start:start + length] = got[..., :length]
