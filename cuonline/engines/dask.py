@@ -168,6 +168,9 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     p = _validate_on_stand_ins(arrays, options, _validate.validate_attention_backward).forward
+    # the chunks each differentiable Dask input came in, which its gradient takes back
+    given_chunks = {n: x.chunks for n, x in {**arrays, **options}.items()
+                    if n in _GRADIENT_OF and _is_dask_array(x)}
     plan = _plan(da, arrays, options, p, chunk_backward)
     name = f"cuonline-attention-backward-{plan.token}"
     dsk, readers = {}, {}
@@ -215,6 +218,9 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
         gradients[field] = da.Array(
             _with_layer(graph, out_name, layer, f"{name}-state"), out_name, chunks=x.chunks,
             meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
+        if given_chunks.get(arg, x.chunks) != x.chunks:
+            # the graph refined the input's chunks (k's with v's, say): back to the input's
+            gradients[field] = gradients[field].rechunk(given_chunks[arg])
     return Gradients(**{f: gradients.get(f) for f in _GRADIENT_OF.values()})
 
 
