@@ -17,6 +17,7 @@ padded to its longest and the padding is cut off with ``kv_lengths`` (never read
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,8 @@ from . import numpy_backward
 if TYPE_CHECKING:
     from .._validate import BackwardProblem, Problem, StatsProblem
 
-__all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups"]
+__all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups",
+           "place_rows", "received", "row_state", "weights_of_rows"]
 
 
 @dataclass(frozen=True)
@@ -177,68 +179,104 @@ def attention_stats(sp: StatsProblem) -> dict:
     from .cpu_runtime import workers
 
     p = sp.scores
-    batch, acc = p.batch_shape, p.acc_dtype
     n_workers = workers() if p.workers is None else p.workers
-    # every row starts as one that sees no key: the finished state of an empty RowState
-    empty = numpy_stats.RowState(int(np.prod(batch, dtype=np.int64)) * p.lq, sp.top_k, acc,
-                                 sp.entropy)
-    result = numpy_stats.finished(empty, batch + (p.lq,))
+    result = numpy_stats.finished(row_state(sp, n_workers), p.batch_shape + (p.lq,))
     result.update(received=None, weights=None)
     if sp.received:
-        result["received"] = np.zeros(batch + (p.lk,), dtype=acc)
+        result["received"] = received(p, result["lse"], sp.query_weights, n_workers)
     if sp.rows is not None:
-        result["weights"] = np.zeros(batch + (sp.rows.size, p.lk), dtype=acc)
-    for g in groups(p):
-        sub = _sub_problem(p, g)
-        weights = None if sp.query_weights is None else _gather(sp.query_weights, g.index_q,
-                                                                batch)
-        sub_sp = dataclasses.replace(sp, scores=sub, query_weights=weights, rows=None)
-        fields = numpy_stats.finished(numpy_stats.row_state(sub_sp, n_workers),
-                                      sub.batch_shape + (g.lq,))
-        rows_q = g.index_q.reshape(-1)
-        first_key = p.cu_seqlens_k[list(g.sequences)][:, None]     # (G, 1)
-        for name, x in fields.items():
-            if x is None:
-                continue
-            if name in ("argmax", "top_indices"):
-                # a sequence's key j is packed key cu_seqlens_k[b] + j; -1 stays -1
-                shift = first_key if x.ndim == len(sub.batch_shape) + 1 else first_key[..., None]
-                x = np.where(x < 0, -1, x + shift)
-            tail = x.shape[len(batch) + 2:]
-            result[name][(slice(None),) * len(batch) + (rows_q,)] = x.reshape(
-                batch + (-1,) + tail)
-        real = (np.arange(g.lk) < g.lengths_k[:, None]).reshape(-1)
-        rows_k = g.index_k.reshape(-1)[real]
-        if sp.received:
-            got = numpy_stats.received(sub, fields["lse"], weights, n_workers)
-            result["received"][..., rows_k] = got.reshape(batch + (-1,))[..., real]
-        if sp.rows is not None:
-            _rows_of_group(sp, p, g, sub, fields["lse"], result["weights"], n_workers)
+        result["weights"] = weights_of_rows(p, result["lse"], np.asarray(sp.rows), n_workers)
     return result
 
 
-def _rows_of_group(sp, p, g: Group, sub, lse, out, n_workers) -> None:
-    """Write into ``out`` (``S + (len(rows), total_k)``) the requested rows that belong to
-    group ``g``'s sequences: their rows of ``P`` over their own keys."""
+def row_state(sp: StatsProblem, n_workers=None):
+    """Pass 1 of the statistics of a packed problem (:func:`.numpy_stats.row_state` per
+    group): the :class:`.numpy_stats.RowState` of every packed query, rows in C order of
+    ``S + (total_q,)``, key indices those of the packed keys; a query of a sequence without
+    keys (or of no group) keeps the state of a row that saw nothing."""
+    from . import numpy_stats
+
+    p = sp.scores
+    batch = p.batch_shape
+    state = numpy_stats.RowState(math.prod(batch) * p.lq, sp.top_k, p.acc_dtype, sp.entropy)
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        part = numpy_stats.row_state(dataclasses.replace(
+            sp, scores=sub, received=False, query_weights=None, rows=None), n_workers)
+        # a sequence's key j is packed key cu_seqlens_k[b] + j
+        first_key = p.cu_seqlens_k[list(g.sequences)][:, None]            # (G, 1)
+        shift = np.broadcast_to(first_key, batch + (len(g.sequences), g.lq)).reshape(-1)
+        part.arg = np.where(part.arg < 0, -1, part.arg + shift)
+        part.top_i = np.where(part.top_i < 0, -1, part.top_i + shift[:, None])
+        place_rows(state, part, batch, p.lq, g.index_q.reshape(-1))
+    return state
+
+
+def place_rows(state, part, batch, n_rows, rows) -> None:
+    """Write the :class:`.numpy_stats.RowState` ``part`` (rows in C order of ``batch +
+    (m,)``) into rows ``rows`` (an index array or a slice of ``m`` rows) of ``state`` (rows
+    in C order of ``batch + (n_rows,)``)."""
+    elements = math.prod(batch)
+    if not elements:
+        return
+    count = part.m.shape[0] // elements
+    where = (slice(None),) * len(batch) + (rows,)
+    for name in ("m", "l", "u", "arg", "top_s", "top_i"):
+        target = getattr(state, name)
+        if target is None:
+            continue
+        tail = target.shape[1:]
+        view = target.reshape(batch + (n_rows,) + tail)      # contiguous: a view
+        view[where] = getattr(part, name).reshape(batch + (count,) + tail)
+
+
+def received(p: Problem, lse, query_weights, n_workers):
+    """``sum_i w_i P_ij`` of the packed problem ``p`` with its queries' ``lse`` (``S +
+    (total_q,)``): ``S + (total_k,)`` in the accumulation dtype, by
+    :func:`.numpy_stats.received` per group; keys of a sequence without queries get 0."""
     from . import numpy_stats
 
     batch = p.batch_shape
-    rows = np.asarray(sp.rows)
+    out = np.zeros(batch + (p.lk,), dtype=p.acc_dtype)
+    for g in groups(p):
+        weights = None if query_weights is None else _gather(query_weights, g.index_q, batch)
+        got = numpy_stats.received(_sub_problem(p, g), _gather(lse, g.index_q, batch), weights,
+                                   n_workers)
+        real = (np.arange(g.lk) < g.lengths_k[:, None]).reshape(-1)
+        out[..., g.index_k.reshape(-1)[real]] = got.reshape(batch + (-1,))[..., real]
+    return out
+
+
+def weights_of_rows(p: Problem, lse, rows, n_workers):
+    """Rows ``rows`` (1-D, in ``[0, total_q)``) of ``P`` of the packed problem ``p`` with
+    its queries' ``lse``: ``S + (len(rows), total_k)``, each row over its own sequence's keys
+    (0 elsewhere), by :func:`.numpy_stats.weights_of_rows` per sequence that holds a row."""
+    from . import numpy_stats
+
+    batch = p.batch_shape
+    out = np.zeros(batch + (rows.size, p.lk), dtype=p.acc_dtype)
     cq = p.cu_seqlens_q
-    for member, b in enumerate(g.sequences):
-        where = np.flatnonzero((rows >= cq[b]) & (rows < cq[b + 1]))
-        if not where.size:
-            continue
-        one = dataclasses.replace(
-            sub, batch_shape=batch,
-            q=sub.q[..., member, :, :], k=sub.k[..., member, :, :], v=sub.v[..., member, :, :],
-            rel_q=None if sub.rel_q is None else sub.rel_q[..., member, :, :],
-            kv_lengths=None if sub.kv_lengths is None else sub.kv_lengths[..., member],
-            alibi_slopes=None if sub.alibi_slopes is None else sub.alibi_slopes[..., member],
-            rel_bias=None if sub.rel_bias is None else sub.rel_bias[..., member, :],
-            rel_k=None if sub.rel_k is None else sub.rel_k[..., member, :, :])
-        got = numpy_stats.weights_of_rows(one, lse[..., member, :], rows[where] - cq[b],
-                                          n_workers)
-        length = int(g.lengths_k[member])
-        start = int(p.cu_seqlens_k[b])
-        out[..., where, start:start + length] = got[..., :length]
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        for member, b in enumerate(g.sequences):
+            where = np.flatnonzero((rows >= cq[b]) & (rows < cq[b + 1]))
+            if not where.size:
+                continue
+            got = numpy_stats.weights_of_rows(
+                _member(sub, member, batch), _gather(lse, g.index_q[member:member + 1], batch)[
+                    ..., 0, :], rows[where] - cq[b], n_workers)
+            length, start = int(g.lengths_k[member]), int(p.cu_seqlens_k[b])
+            out[..., where, start:start + length] = got[..., :length]
+    return out
+
+
+def _member(sub, member, batch):
+    """The problem of one sequence (``member``) of a group's problem ``sub``."""
+    def take(x, tail):
+        return None if x is None else x[(Ellipsis, member) + (slice(None),) * tail]
+
+    return dataclasses.replace(
+        sub, batch_shape=batch, q=take(sub.q, 2), k=take(sub.k, 2), v=take(sub.v, 2),
+        rel_q=take(sub.rel_q, 2), kv_lengths=take(sub.kv_lengths, 0),
+        alibi_slopes=take(sub.alibi_slopes, 0), rel_bias=take(sub.rel_bias, 1),
+        rel_k=take(sub.rel_k, 2))
