@@ -516,7 +516,7 @@ def attention_stats(
         With `cu_seqlens_q` and `cu_seqlens_k` (a packed batch) the row statistics are
         packed like the queries, ``S + (total_q,)``, with key indices of the packed keys;
         `received` like the keys, ``S + (total_k,)``; `weights` ``S + (len(rows),
-        total_k)``, 0 outside each row's sequence. Not yet on Dask arrays (a ValueError).
+        total_k)``, 0 outside each row's sequence; on Dask arrays too.
     entropy : bool, optional
         Compute the entropy of each row of ``P``. Default True.
     received : bool, optional
@@ -557,8 +557,7 @@ def attention_stats(
         As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
         ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
         1-D or hold an index outside ``[-Lq, Lq)``, CuPy inputs or the ``"cupy"`` and
-        ``"emulate"`` backends (no CUDA statistics kernels yet), and `cu_seqlens_q` with
-        Dask arrays.
+        ``"emulate"`` backends (no CUDA statistics kernels yet).
 
     See Also
     --------

@@ -401,13 +401,6 @@ def test_options_without_meaning_across_sequences_are_refused(option):
         cuonline.attention(qd, kd, vd, cu_seqlens_q=CQ, cu_seqlens_k=CK, **{option: value})
 
 
-def test_dask_statistics_refuse_packed_batches():
-    _, q, k, _ = case(14)
-    with pytest.raises(ValueError, match="attention_stats on Dask arrays does not yet take "
-                                         "packed batches"):
-        cuonline.attention_stats(chunked(q, 10), k, cu_seqlens_q=CQ, cu_seqlens_k=CK)
-
-
 # --------------------------------------------------------------------------------------------
 # attention_stats of a packed batch (NumPy engine)
 
@@ -465,6 +458,38 @@ def test_packed_statistics_match_the_oracle(name):
     # the sequence without keys: no key seen; the sequence without queries receives nothing
     assert np.isneginf(st.lse[:, CQ[4]:CQ[5]]).all() and (st.argmax[:, CQ[4]:CQ[5]] == -1).all()
     assert not st.received[:, CK[1]:CK[2]].any()
+
+
+@pytest.mark.parametrize("sizes", [(7, 11), (40, 13), "sequences"],
+                         ids=["cut", "cut-other", "sequences"])
+@pytest.mark.parametrize("name", ["plain", "causal", "q_offset", "rel_qk"])
+def test_packed_statistics_on_dask(name, sizes):
+    """Every statistic of the Dask graph is the in-memory packed call's to rounding (the
+    indices exactly), and the oracle's, for chunks that cut sequences anywhere."""
+    rng, q, k, _ = case(17)
+    options = options_cases(rng, q.shape[-2])[name]
+    weights = rng.random((2, CQ[-1]))
+    rows = np.array([0, 3, CQ[2], CQ[4] + 1, CQ[6] + 40, CQ[7], 22, -1])
+    qd, kd, _, dask_options = dask_arguments(sizes, q, k, k[..., :0], options)
+    size_q = 9 if sizes == "sequences" else sizes[0]
+    got = cuonline.attention_stats(qd, kd, cu_seqlens_q=CQ, cu_seqlens_k=CK, received=True,
+                                   query_weights=chunked(weights, size_q, axis=-1), top_k=3,
+                                   rows=rows, **dask_options)
+    assert isinstance(got.lse, da.Array) and got.lse.chunks[-1] == qd.chunks[-2]
+    want = cuonline.attention_stats(q, k, cu_seqlens_q=CQ, cu_seqlens_k=CK, received=True,
+                                    query_weights=weights, top_k=3, rows=rows, **options)
+    ref = reference_varlen_stats(q, k, CQ, CK, weights, 3, rows, **options)
+    for field in ("lse", "entropy", "max_weight", "argmax", "top_indices", "top_weights",
+                  "received", "weights"):
+        g = getattr(got, field).compute()
+        w = getattr(want, field)
+        assert g.shape == w.shape and g.dtype == w.dtype, field
+        if field in ("argmax", "top_indices"):
+            np.testing.assert_array_equal(g, w, err_msg=field)
+            np.testing.assert_array_equal(g, ref[field], err_msg=field)
+            continue
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=field)
+        np.testing.assert_allclose(g, ref[field], rtol=1e-10, atol=1e-12, err_msg=field)
 
 
 def test_packed_statistics_are_those_of_attention():

@@ -13,7 +13,12 @@ error is the one the NumPy engine would raise; then a graph is built:
   rounding does not depend on scheduling;
 * a key chunk that no query of a query chunk can see (above the causal diagonal, outside the
   window, at or past every ``kv_lengths`` of the batch chunk when ``kv_lengths`` is concrete)
-  gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``.
+  gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``;
+* packed batches (``cu_seqlens_q``, ``cu_seqlens_k``, NumPy boundaries that shape the graph):
+  a task for each pair that some sequence spans, making the calls of :func:`_varlen_calls`
+  (the sequences whole in both chunks as one packed call, each sequence a chunk boundary cuts
+  as a plain call on its piece with its position in the sequence as offsets), its rows of
+  the other sequences 0 and ``-inf``; then the same merge tree.
 
 :func:`attention_backward` runs the backward pass on the same graph, each task's gradients
 split into one piece per gradient and summed by one tree per gradient. :func:`softmax` is the
@@ -71,16 +76,6 @@ def _is_dask_array(x) -> bool:
     return type(x).__module__.startswith("dask.array")
 
 
-def _refuse_packed(options) -> None:
-    """attention_stats of packed variable-length batches has no Dask graph yet."""
-    given = [n for n in _validate.CU_SEQLENS if options.get(n) is not None]
-    if given:
-        raise ValueError(
-            f"attention_stats on Dask arrays does not yet take packed batches "
-            f"({', '.join(given)} given): compute the arrays (NumPy) for a packed call, or "
-            f"split the batch with cuonline.unpack and build one Dask call per sequence")
-
-
 def is_dask_call(arguments) -> bool:
     """Whether any value of ``arguments`` (a call's bound arguments) is a Dask array."""
     return any(_is_dask_array(x) for x in arguments.values())
@@ -104,7 +99,8 @@ def attention(chunk_attention, /, q, k, v, **options):
     keywords, all of them: the array options are chunked to match the queries and keys, the
     position keywords (causal, window, offsets) are rewritten per task from the chunk
     positions, and every other keyword goes to each task unchanged, except ``workers=None``,
-    which becomes 1: Dask's workers are the parallelism, one BLAS thread per task.
+    which becomes 1: Dask's workers are the parallelism, one BLAS thread per task. A packed
+    batch's boundaries (NumPy or lists; a Dask array is a TypeError) plan the pairs' calls.
     """
     import dask.array as da
     from dask.task_spec import Task, TaskRef
@@ -158,7 +154,8 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     reads (keys no query sees) gets zeros. Each task's gradients are split into one piece per
     gradient as soon as it ends, and each tree reads only its gradient's pieces, so computing
     one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
-    of its input's shape and chunks, whatever library the input came in.
+    of its input's shape and chunks, whatever library the input came in. A packed batch's
+    tasks make their pair's calls, each call's gradients at its rows (the tables summed).
     """
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
@@ -925,8 +922,9 @@ def attention_stats(stats_class, /, q, k, **options):
     statistics. ``received``: a task per visible pair adds ``w^T P`` of its queries with their
     global ``lse``, summed per key chunk over the query chunks by a fixed tree. ``rows``
     (a NumPy array or list) are computed per pair from ``lse`` and placed in the order given.
+    A packed batch's pairs make their calls (:func:`_varlen_calls`), their row states placed
+    at the calls' rows (:func:`.numpy_varlen.place_rows`).
     """
-    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 
@@ -970,9 +968,15 @@ def attention_stats(stats_class, /, q, k, **options):
         parts = []
         for jk, j0 in visible:
             key = (f"{name}-rows", *b, iq, jk)
-            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
-            dsk[key] = Task(key, _chunk_row_state, per_task, row_options, j0, plan.names,
-                            *(TaskRef(r) for r in plan.reads(b, iq, jk)))
+            refs = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            if plan.calls is not None:
+                dsk[key] = Task(key, _chunk_varlen_row_state, plan.task_options, row_options,
+                                plan.calls[iq, jk], i1 - i0, j0, plan.names, *refs)
+            else:
+                per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0,
+                                k_offset=j0)
+                dsk[key] = Task(key, _chunk_row_state, per_task, row_options, j0, plan.names,
+                                *refs)
             parts.append(key)
         if not parts:
             key = (f"{name}-rows", *b, iq, "empty")
@@ -994,15 +998,26 @@ def attention_stats(stats_class, /, q, k, **options):
         for jk, j0 in visible:
             per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
             reads = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            # packed batches: the pair's calls instead of its positions
+            varlen = None if plan.calls is None else (plan.task_options, plan.calls[iq, jk],
+                                                      i1 - i0)
             if sp.received:
                 key = (f"{name}-received-part", *b, iq, jk)
-                dsk[key] = Task(key, _chunk_received, per_task, j0, plan.names,
-                                TaskRef(lse_keys[b, iq]), *reads)
+                if varlen:
+                    dsk[key] = Task(key, _chunk_varlen_received, *varlen, plan.names,
+                                    TaskRef(lse_keys[b, iq]), *reads)
+                else:
+                    dsk[key] = Task(key, _chunk_received, per_task, j0, plan.names,
+                                    TaskRef(lse_keys[b, iq]), *reads)
                 received_parts.setdefault(b + (jk,), []).append(key)
             if local is not None and local.size:
                 key = (f"{name}-weights-part", *b, iq, jk)
-                dsk[key] = Task(key, _chunk_weights, per_task, j0, rows[local] - i0,
-                                plan.names, TaskRef(lse_keys[b, iq]), *reads)
+                if varlen:
+                    dsk[key] = Task(key, _chunk_varlen_weights, *varlen, rows[local] - i0,
+                                    plan.names, TaskRef(lse_keys[b, iq]), *reads)
+                else:
+                    dsk[key] = Task(key, _chunk_weights, per_task, j0, rows[local] - i0,
+                                    plan.names, TaskRef(lse_keys[b, iq]), *reads)
                 row_parts.setdefault(b + (jk,), []).append((local, key))
 
     graph_deps = list(plan.arrays.values())
@@ -1098,6 +1113,87 @@ def _chunk_weights(options, j0, rows, names, lse, *blocks):
     sp = _stats_task_problem(options, j0, names, blocks, entropy=False)
     p = sp.scores
     return numpy_stats.weights_of_rows(p, lse, np.asarray(rows, dtype=np.int64), p.workers or 1)
+
+
+def _call_stats_problem(options, call, parts, **stats):
+    """The StatsProblem of one call of a packed pair (:func:`_varlen_calls`) on its
+    ``parts`` (:func:`_varlen_parts`)."""
+    from .._options import Options
+
+    parts = dict(parts)
+    q, k = parts.pop("q"), parts.pop("k")
+    parts.pop("v")
+    weights = parts.pop("query_weights", None)
+    if stats.get("received"):
+        stats["query_weights"] = weights
+    return _validate.validate_attention_stats(
+        q, k, Options(**parts, **_varlen_keywords(options, call)), **stats)
+
+
+def _stats_engine(sp):
+    """The module that runs the passes of ``sp``: the packed driver for a packed call."""
+    from . import numpy_stats, numpy_varlen
+
+    return numpy_stats if sp.scores.cu_seqlens_q is None else numpy_varlen
+
+
+def _chunk_varlen_row_state(options, row_options, calls, n_q, j0, names, *blocks):
+    """The RowState of the query chunk of a packed pair over its keys, from its calls (rows
+    of no call: a row that saw nothing), key indices those of the whole call."""
+    from .numpy_stats import RowState
+    from .numpy_varlen import place_rows
+
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    state = None
+    for call in calls:
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 **row_options)
+        batch = sp.scores.batch_shape
+        part = _stats_engine(sp).row_state(sp, sp.scores.workers or 1).shifted(j0 + call[2])
+        if state is None:
+            state = RowState(math.prod(batch) * n_q, sp.top_k, sp.scores.acc_dtype,
+                             sp.entropy)
+        place_rows(state, part, batch, n_q, slice(call[0], call[1]))
+    return state
+
+
+def _chunk_varlen_received(options, calls, n_q, names, lse, *blocks):
+    """``w^T P`` of a packed pair over its key chunk, with its queries' global ``lse``."""
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    total = None
+    for call in calls:
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 entropy=False, received=True)
+        p = sp.scores
+        got = _stats_engine(sp).received(p, lse[..., call[0]:call[1]], sp.query_weights,
+                                         p.workers or 1)
+        if total is None:
+            total = np.zeros(got.shape[:-1] + (n_k,), dtype=got.dtype)
+        total[..., call[2]:call[3]] += got
+    return total
+
+
+def _chunk_varlen_weights(options, calls, n_q, rows, names, lse, *blocks):
+    """The rows ``rows`` (local to the query chunk) of a packed pair's P over its key
+    chunk, 0 where a row's sequence has no keys in the chunk."""
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    rows = np.asarray(rows, dtype=np.int64)
+    batch = np.broadcast_shapes(arrays["q"].shape[:-2], arrays["k"].shape[:-2])
+    acc = accumulation_dtype(arrays["q"].dtype)
+    out = np.zeros(batch + (rows.size, n_k), dtype=acc)
+    for call in calls:
+        where = np.flatnonzero((rows >= call[0]) & (rows < call[1]))
+        if not where.size:
+            continue
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 entropy=False)
+        p = sp.scores
+        out[..., where, call[2]:call[3]] = _stats_engine(sp).weights_of_rows(
+            p, lse[..., call[0]:call[1]], rows[where] - call[0], p.workers or 1)
+    return out
 
 
 def _empty_row_state(n, top_k, acc_dtype, entropy):
