@@ -249,6 +249,26 @@ def test_matches_the_numpy_engine(sizes):
             np.testing.assert_allclose(g[finite], r[finite], rtol=0, atol=1e-13)
 
 
+def test_far_offsets():
+    """Explicit offsets far past every length (clamped once by validation, never again by a
+    piece's call): all keys visible, or none (then no task at all)."""
+    _, q, k, v = case(18)
+    qd, kd, vd, _ = dask_arguments((7, 11), q, k, v, {})
+    for q_offset, visible in ((2**62, True), (-2**62, False)):
+        options = {"q_offset": q_offset, "causal": True, "rel_bias": np.arange(5.0)}
+        out, lse = cuonline.attention(qd, kd, vd, cu_seqlens_q=CQ, cu_seqlens_k=CK,
+                                      return_lse=True, **options)
+        assert (chunk_tasks(out) > 0) == visible
+        ref = cuonline.attention(q, k, v, cu_seqlens_q=CQ, cu_seqlens_k=CK, return_lse=True,
+                                 **options)
+        out, lse = dask.compute(out, lse)
+        finite = np.isfinite(ref[1])
+        assert np.array_equal(np.isfinite(lse), finite) and finite.any() == visible
+        np.testing.assert_allclose(lse[finite], ref[1][finite], rtol=0, atol=1e-13)
+        np.testing.assert_allclose(out, ref[0], rtol=0, atol=1e-13)
+        assert visible or not out.any()
+
+
 def test_one_token_sequences():
     """Many one-token sequences (and some empty ones) across chunks of three."""
     lengths_q = [1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
