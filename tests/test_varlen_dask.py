@@ -338,6 +338,16 @@ def test_out_alone_and_boundaries_of_any_integer_kind():
     np.testing.assert_array_equal(out.compute(), again.compute())
 
 
+def test_boundaries_of_another_library():
+    """Boundaries are host integers of any library, as in memory (torch here)."""
+    torch = pytest.importorskip("torch")
+    _, q, k, v = case(19)
+    qd, kd, vd, _ = dask_arguments((10, 10), q, k, v, {})
+    out = cuonline.attention(qd, kd, vd, cu_seqlens_q=torch.from_numpy(CQ), cu_seqlens_k=CK)
+    ref = cuonline.attention(q, k, v, cu_seqlens_q=CQ, cu_seqlens_k=CK)
+    np.testing.assert_allclose(out.compute(), ref, rtol=0, atol=1e-13)
+
+
 def test_deterministic_across_runs_and_schedulers():
     rng, q, k, v = case(9)
     options = {"causal": True}

@@ -406,8 +406,10 @@ def _stand_in_backend(arrays, backend):
     Mixed libraries and ``numpy.ma`` chunks raise the errors of the in-memory call. CuPy
     chunks, perhaps on a client without a GPU: the backend is checked against CuPy here and
     the rest validated with ``"auto"``; each task checks its own CUDA limits."""
+    # the boundaries of a packed batch are host integers of any library, read by value
     xp = _validate.array_namespace(**{n: (x._meta if _is_dask_array(x) else x)
-                                      for n, x in arrays.items()})
+                                      for n, x in arrays.items()
+                                      if n not in _validate.CU_SEQLENS})
     if xp is np:
         return backend
     _validate.check_backend(backend, xp)
