@@ -326,6 +326,23 @@ def test_a_query_chunk_of_a_sequence_without_keys_is_zeros():
     assert_accurate("lse", lse, ref_lse, naive_lse, F64)
 
 
+def test_empty_chunks():
+    """Chunkings with empty chunks (Dask allows them) read as the others."""
+    _, q, k, v = case(20)
+    n_q, n_k = int(CQ[-1]), int(CK[-1])
+    qd = da.from_array(q, chunks=(2, (40, 0, n_q - 40), 6))
+    kd = da.from_array(k, chunks=(1, (0, 30, 0, n_k - 30), 6))
+    vd = da.from_array(v, chunks=(1, (30, n_k - 30), 4))
+    out, lse = dask.compute(*cuonline.attention(qd, kd, vd, cu_seqlens_q=CQ, cu_seqlens_k=CK,
+                                                causal=True, return_lse=True))
+    ref = cuonline.attention(q, k, v, cu_seqlens_q=CQ, cu_seqlens_k=CK, causal=True,
+                             return_lse=True)
+    finite = np.isfinite(ref[1])
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref[1][finite], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(out, ref[0], rtol=0, atol=1e-13)
+
+
 def test_out_alone_and_boundaries_of_any_integer_kind():
     """Without return_lse one Dask array; boundaries as lists or int32 give the same graph's
     values."""

@@ -333,7 +333,9 @@ def _varlen_calls(p, axis_chunks, q_offset, k_offset):
     cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
     q_bounds, k_bounds = np.asarray(_bounds(axis_chunks["q"])), np.asarray(
         _bounds(axis_chunks["k"]))
-    pieces: dict = {}                 # (iq, jk) -> [(b, whole, qa, qb, ka, kb)]
+    # (iq, jk) -> [(b, whole, qa, qb, ka, kb, shift)]: rows local to the chunks, and the
+    # piece's first query minus its first key in the sequence's own positions
+    pieces: dict = {}
     for b, diagonal in enumerate(p.sequence_diagonals):
         q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if q0 == q1 or k0 == k1:
@@ -344,8 +346,12 @@ def _varlen_calls(p, axis_chunks, q_offset, k_offset):
         last_k = int(np.searchsorted(k_bounds, k1 - 1, side="right")) - 1
         for iq in range(first_q, last_q + 1):
             a, e = max(q0, int(q_bounds[iq])), min(q1, int(q_bounds[iq + 1]))
+            if a == e:
+                continue              # an empty chunk
             for jk in range(first_k, last_k + 1):
                 c, f = max(k0, int(k_bounds[jk])), min(k1, int(k_bounds[jk + 1]))
+                if c == f:
+                    continue
                 # in the sequence's own positions: queries [a - q0, e - q0), keys [c - k0, ...)
                 lo, hi = visible_key_range(a - q0, e - q0, q1 - q0, k1 - k0, p.window, diagonal)
                 if hi <= c - k0 or lo >= f - k0 or lo >= hi:
