@@ -160,8 +160,8 @@ def attention(
         `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
         sequence. Empty sequences on either side are allowed. Any integer dtype and array
         library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
-        `mask`, `bias_block` or `kv_lengths`; NumPy engine only (docs/semantics.md, "Packed
-        variable-length batches").
+        `mask`, `bias_block` or `kv_lengths`; NumPy engine only, Dask arrays of NumPy
+        chunks included (docs/semantics.md, "Packed variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -199,7 +199,8 @@ def attention(
         Non-floating or mismatched dtypes of `q`, `k`, `v`, a non-floating `bias`,
         `rel_bias`, `rel_q` or `rel_k`, a non-boolean `mask`, arrays from different
         libraries, a `backend` that does not take the inputs' library, a `workers` that
-        is not an int or None, or offsets or `bias_block` sizes that are not ints.
+        is not an int or None, offsets or `bias_block` sizes that are not ints, or a Dask
+        `cu_seqlens_q`/`cu_seqlens_k` (boundaries shape the graph: compute them first).
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
         `scale` or `softcap` that is not finite (or ``softcap <= 0``), ``softcap_bias=True``
@@ -210,7 +211,8 @@ def attention(
         `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
         packed length, of different counts, one without the other; a non-integer one is a
         TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
-        ``"cupy"`` and ``"emulate"`` backends or Dask arrays (no varlen kernels yet).
+        ``"cupy"`` and ``"emulate"`` backends (no varlen kernels yet). Dask arrays take
+        packed batches chunked anywhere along the length axis (docs/scale.md).
 
     See Also
     --------
@@ -511,8 +513,10 @@ def attention_stats(
     SCORE_OPTIONS
         As :func:`attention`: the statistics are those of the ``P`` that attention applies
         with these options.
-        `cu_seqlens_q` and `cu_seqlens_k` are not taken yet (a ValueError: split the
-        arrays with :func:`unpack` and call per sequence).
+        With `cu_seqlens_q` and `cu_seqlens_k` (a packed batch) the row statistics are
+        packed like the queries, ``S + (total_q,)``, with key indices of the packed keys;
+        `received` like the keys, ``S + (total_k,)``; `weights` ``S + (len(rows),
+        total_k)``, 0 outside each row's sequence; on Dask arrays too.
     entropy : bool, optional
         Compute the entropy of each row of ``P``. Default True.
     received : bool, optional
@@ -552,7 +556,7 @@ def attention_stats(
     ValueError
         As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
         ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
-        1-D or hold an index outside ``[-Lq, Lq)``, and CuPy inputs or the ``"cupy"`` and
+        1-D or hold an index outside ``[-Lq, Lq)``, CuPy inputs or the ``"cupy"`` and
         ``"emulate"`` backends (no CUDA statistics kernels yet).
 
     See Also
@@ -604,7 +608,8 @@ def attention_stats(
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
                                             rows=rows)
-    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    engine = importlib.import_module("cuonline.engines." + (
+        "numpy_stats" if sp.scores.cu_seqlens_q is None else _VARLEN_ENGINE))
     return AttentionStats(**engine.attention_stats(sp))
 
 

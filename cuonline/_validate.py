@@ -941,11 +941,6 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
     to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
     integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
     """
-    given = [n for n in CU_SEQLENS if getattr(options, n) is not None]
-    if given:
-        raise ValueError(
-            f"attention_stats does not yet take packed batches (got {', '.join(given)}): "
-            f"split the arrays with cuonline.unpack and call it per sequence")
     xp = array_namespace(q=q, k=k, query_weights=query_weights, rows=rows, **options.arrays())
     k_array = _as_array(xp, k, "k")
     # the statistics depend on the scores only: a zero-width v passes attention's checks of

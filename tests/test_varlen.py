@@ -276,16 +276,6 @@ def test_cuda_engines_refuse_packed_batches():
                            backend="emulate")
 
 
-def test_dask_and_stats_refuse_packed_batches():
-    da = pytest.importorskip("dask.array")
-    q = np.zeros((12, 4))
-    with pytest.raises(ValueError, match="Dask arrays do not yet take packed batches"):
-        cuonline.attention(da.from_array(q), q, q, cu_seqlens_q=[0, 5, 12],
-                           cu_seqlens_k=[0, 5, 12])
-    with pytest.raises(ValueError, match="attention_stats does not yet take packed batches"):
-        cuonline.attention_stats(q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12])
-
-
 def test_torch_and_jax_inputs_and_bindings():
     """cuonline.attention answers torch and JAX arrays in kind, boundaries of any library;
     the differentiable bindings refuse packed batches by name."""
