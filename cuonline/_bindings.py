@@ -163,7 +163,7 @@ def attention_backward_with_lse(dout, dlse, q, k, v, out, lse, **options: Any) -
     dtype = np.dtype(q.dtype)
     column = xp.asarray(-dlse).astype(dtype)[..., None]
     zeros = xp.broadcast_to(xp.zeros((), dtype=dtype), tuple(v.shape[:-1]) + (1,))
-    ones = xp.broadcast_to(xp.ones((), dtype=dtype), tuple(column.shape))
+    ones = xp.broadcast_to(xp.ones((), dtype=dtype), tuple(out.shape[:-1]) + (1,))
     gl = attention_backward(column, q, k, zeros, ones, lse, **options)
 
     def total(field):

@@ -168,8 +168,8 @@ def host_boundaries(options: Any, framework: str, is_traced: Any) -> Any:
 
 
 def _nested_tuple(x: Any) -> Any:
-    """Lists and tuples as tuples, NumPy scalars as Python numbers (hashable, and written
-    back by their repr)."""
+    """Lists and tuples as tuples, NumPy scalars as Python values: hashable, and written
+    back by their repr. Booleans and floats stay what they are, for validation to refuse."""
     if isinstance(x, (list, tuple)):
         return tuple(_nested_tuple(e) for e in x)
     return x.item() if isinstance(x, np.generic) else x
