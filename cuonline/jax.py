@@ -3,8 +3,8 @@
 
 ``import cuonline.jax`` imports JAX (``import cuonline`` does not). The call is checked when
 the program is traced, by the validation of :func:`cuonline.attention` on stand-ins of the
-arrays' shapes and dtypes, so shape and dtype errors are raised at trace time with the same
-messages. The program runs cuonline's engines through
+arrays' shapes and dtypes for the device the program runs on (CuPy stand-ins on a GPU, so
+the CUDA engine's limits too), so errors are raised at trace time with the same messages. The program runs cuonline's engines through
 ``jax.experimental.buffer_callback``: on the CPU the NumPy engine reads NumPy views of XLA's
 input buffers (no copy) and its results are written into XLA's output buffers; on a CUDA
 device cuonline's kernels run on XLA's stream (``cupy.cuda.ExternalStream``) on CuPy views
@@ -254,12 +254,15 @@ def attention(
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are JAX values (traced or not);
         every other option must be a Python value known when the program is traced (it
-        picks the kernel): a traced one is a TypeError.
+        picks the kernel): a traced one is a TypeError. `cu_seqlens_q` and `cu_seqlens_k`
+        (a packed batch; gradients come packed like their inputs) are host values the
+        program is built from: NumPy arrays, lists, or JAX arrays that are not traced; a
+        traced one is a TypeError naming it.
     layout : {"bhld", "blhd"}, optional
         The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
-        "blhd", (batch, length, heads, dim), where XLA transposes q, k, v and out around the
-        call (a copy each; torch reads such arrays through their strides). The array options
-        keep their layout, e.g. `bias` of shape (B, H, Lq, Lk) as ``jax.nn`` takes it.
+        "blhd", (batch, length, heads, dim), read through swapped strides inside the
+        callback (no transpose, no copy). The array options keep their layout, e.g. `bias`
+        of shape (B, H, Lq, Lk) as ``jax.nn`` takes it.
 
     Returns
     -------

@@ -171,7 +171,12 @@ def attention(
         CUDA device.
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are tensors on the device of `q`
-        (Python lists and numbers are turned into tensors there).
+        (Python lists and numbers are turned into tensors there). `cu_seqlens_q` and
+        `cu_seqlens_k` (a packed batch; gradients come packed like their inputs) are read on
+        the host when the call is made (tensors, NumPy arrays or lists; under
+        ``torch.compile``, lists made outside the compiled function). Every error is raised
+        before anything runs, for the engine of the device of `q` (a CUDA tensor gets the
+        CUDA engine's limits).
     layout : {"bhld", "blhd"}, optional
         The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
         "blhd", (batch, length, heads, dim), read through the strides (a transposed view,
