@@ -12,7 +12,8 @@ one warm-up, in this process. Peak memory: each path once more in a fresh proces
 allocator keeps memory from another path), after compiling (XLA ahead of time at size N,
 cuonline's NumPy kernels at a small size): the high-water mark of its resident memory
 (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``) above the resident
-memory just before the call, inputs excluded. Linux only for the memory columns.
+memory just before the call, inputs excluded, with glibc's mmap threshold fixed so that
+memory freed earlier is not reused unseen. Linux only for the memory columns.
 
     python benchmarks/bench_frameworks.py                 # N = 1024 .. 16384
     python benchmarks/bench_frameworks.py --quick         # N = 256, 512
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import subprocess
 import sys
 import time
@@ -143,8 +145,12 @@ def measure_peak(name, n, heads):
 
 
 def peak(name, n, heads):
+    # glibc's malloc serves large blocks by mmap only above a threshold that grows as blocks
+    # are freed, and keeps freed heap resident: a fixed 64 KiB threshold returns every large
+    # block to the system when freed and counts every new one in the resident memory
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run([sys.executable, __file__, "--peak-of", name, str(n), str(heads)],
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1]
         print(f"  peak of {name} at N={n} failed: {tail[:160]}", flush=True)
