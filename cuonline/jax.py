@@ -4,11 +4,11 @@
 ``import cuonline.jax`` imports JAX (``import cuonline`` does not). The call is checked when
 the program is traced, by the validation of :func:`cuonline.attention` on stand-ins of the
 arrays' shapes and dtypes for the device the program runs on (CuPy stand-ins on a GPU, so
-the CUDA engine's limits too), so errors are raised at trace time with the same messages. The program runs cuonline's engines through
-``jax.experimental.buffer_callback``: on the CPU the NumPy engine reads NumPy views of XLA's
-input buffers (no copy) and its results are written into XLA's output buffers; on a CUDA
-device cuonline's kernels run on XLA's stream (``cupy.cuda.ExternalStream``) on CuPy views
-of the buffers. Gradients come from a ``jax.custom_vjp`` whose backward is
+the CUDA engine's limits too), so errors are raised at trace time with the same messages.
+The program runs cuonline's engines through ``jax.experimental.buffer_callback``: on the
+CPU the NumPy engine reads NumPy views of XLA's input buffers (no copy) and its results are
+written into XLA's output buffers; on a CUDA device cuonline's kernels run on XLA's stream
+(``cupy.cuda.ExternalStream``) on CuPy views of the buffers. Gradients come from a ``jax.custom_vjp`` whose backward is
 :func:`cuonline.attention_backward` with the residuals ``(out, lse)``; ``jax.vmap`` turns each
 mapped axis into a leading batch axis of one cuonline call (a ``custom_vmap`` rule), so a
 vmapped call is one launch, not a loop. See docs/frameworks.md.

@@ -108,7 +108,8 @@ def dense_attention(ops, q, k, v, *, scale=None, causal=False, window=None, bias
     if bias is not None:
         if bias_block is not None:
             r, c = bias_block
-            bias = bias[..., ops.asarray(np.arange(lq) // r), :][..., ops.asarray(np.arange(lk) // c)]
+            rows, cols = ops.asarray(np.arange(lq) // r), ops.asarray(np.arange(lk) // c)
+            bias = bias[..., rows, :][..., cols]
         s = s + bias
     if rel_bias is not None:
         s = s + rel_bias[..., entry(rel_bias.shape[-1])]
