@@ -1,7 +1,8 @@
 """Every array library in, the same library out: NumPy, torch and JAX arrays through the public
 functions, read in place (no input copied), results in the caller's library; mixed libraries
 refused with the arguments named. Also the option cases the framework tests share
-(tests/test_frameworks_jax.py, tests/test_frameworks_torch.py).
+(tests/test_frameworks_jax.py, tests/test_frameworks_torch.py) and ``dense_attention``, the
+dense reference they differentiate with each framework's own autodiff.
 
 A library is added to the parametrisations only where it imports (SciPy's backend fixture).
 """
