@@ -36,8 +36,9 @@ rm -f "$out/current.txt"
 
 # 1b. the framework bindings on the GPU, at most 75 s: cuonline.torch on CUDA tensors on a side
 #     stream with work queued before the call, cuonline.jax (where jaxlib sees the GPU) under
-#     jit, grad and vmap on XLA's stream, each against the NumPy engine on host copies
-#     (gpu_frameworks.txt)
+#     jit, grad and vmap on XLA's stream and with layout="blhd", each against the NumPy engine
+#     on host copies; the CUDA limits raised before anything runs; packed batches (or their
+#     refusal when traced) (gpu_frameworks.txt, rewritten after every check)
 timeout 75 python benchmarks/gpu_frameworks.py --out "$out" 2>&1 | tail -n 60
 
 # 2. the benchmark, at most 130 s; gpu_bench.md/json are rewritten after every case
