@@ -604,7 +604,9 @@ def attention_stats(
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
                                             rows=rows)
-    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    engine = importlib.import_module(
+        "cuonline.engines." + ("cuda_stats" if sp.scores.backend in _CUDA_BACKENDS
+                               else "numpy_stats"))
     return AttentionStats(**engine.attention_stats(sp))
 
 
