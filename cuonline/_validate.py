@@ -966,7 +966,7 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
         raise TypeError(f"`top_k` must be an int >= 0, got {type(top_k).__name__} {top_k!r}")
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {int(top_k)}")
-    if p.backend in _CUDA_BACKENDS and top_k > _CUDA_STATS_MAX_TOP_K:
+    if p.backend in _CUDA_BACKENDS and int(top_k) > _CUDA_STATS_MAX_TOP_K:
         raise ValueError(f"`top_k` must be at most {_CUDA_STATS_MAX_TOP_K} on the CUDA engine "
                          f"(backend={p.backend!r}: one key per lane of a warp), got {int(top_k)}; "
                          f"use backend='numpy' (NumPy arrays) for more")
