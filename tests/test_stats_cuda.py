@@ -248,6 +248,27 @@ def test_the_numpy_and_cuda_engines_agree_and_runs_repeat(backend):
         np.testing.assert_allclose(a[name], getattr(ref, name), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_query_stays_in_its_row(backend):
+    """As on the NumPy engine: a NaN query row has NaN statistics (argmax -1, no top key) and
+    its NaN reaches only the keys it sees in `received`; the other rows are untouched."""
+    rng = np.random.default_rng(10)
+    q, k = rng.standard_normal((1, 20, 4)), rng.standard_normal((1, 50, 4))
+    q[0, 6, 1] = np.nan
+    kw = dict(window=(5, 5), received=True, top_k=3, rows=[6, 7])
+    got = _stats(backend, q, k, **kw)
+    want = cuonline.attention_stats(q, k, **kw)
+    for name in FIELDS:
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(getattr(want, name)),
+                                      err_msg=name)
+        if name in INDICES:
+            np.testing.assert_array_equal(got[name], getattr(want, name), err_msg=name)
+        else:
+            np.testing.assert_allclose(got[name], getattr(want, name), rtol=1e-12,
+                                       atol=1e-13, err_msg=name)
+    assert np.isnan(got["received"]).sum() == 11
+
+
 # --------------------------------------------------------------------------------------------
 # the plan, and kernels that must fail
 
