@@ -66,26 +66,26 @@ def attention_stats(sp: StatsProblem) -> dict:
     # that a call is refused for its arguments whatever its lengths
     plan = _STATS.planner(p, top_k=top_k, arch=target.arch, num_sms=target.num_sms)
     if nbatch and lq and lk:
-        module = target.module(plan.spec)
-
-        def launch(entry, grid, **tail):
-            kernel = module.get_function(entry)
-            if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
-                kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
-            kernel(grid, plan.block, _STATS.arguments(p, entry, **tail),
-                   shared_mem=plan.shared_bytes)
-
-        launch(_PASS1, plan.grid_stats, lse=lse, entropy=entropy, max_weight=max_weight,
-               argmax=argmax, top_indices=top_i, top_weights=top_w, top_k=top_k)
+        tails = {_PASS1: dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
+                              top_indices=top_i, top_weights=top_w, top_k=top_k)}
+        grids = {_PASS1: plan.grid_stats}
         if received is not None:
             w = sp.query_weights
             if w is not None:   # S + (Lq,), possibly a broadcast view: (nbatch, lq) contiguous
                 w = xp.ascontiguousarray(xp.reshape(xp.ascontiguousarray(w), (nbatch, lq)))
-            launch(_RECEIVED, plan.grid_received, lse=lse, query_weights=w, received=received)
+            tails[_RECEIVED] = dict(lse=lse, query_weights=w, received=received)
+            grids[_RECEIVED] = plan.grid_received
         if rows is not None and rows.size:
-            launch(_ROWS, plan.grid_rows(rows.size), lse=lse,
-                   rows=xp.ascontiguousarray(rows, dtype=np.int64), nrows=rows.size,
-                   weights=weights)
+            tails[_ROWS] = dict(lse=lse, rows=xp.ascontiguousarray(rows, dtype=np.int64),
+                                nrows=rows.size, weights=weights)
+            grids[_ROWS] = plan.grid_rows(rows.size)
+        module = target.module(plan.spec)
+        # in order: pass 1 writes the lse the other two read (one stream)
+        for entry, args in _STATS.arguments(p, tails).items():
+            kernel = module.get_function(entry)
+            if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
+                kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
+            kernel(grids[entry], plan.block, args, shared_mem=plan.shared_bytes)
 
     def shaped(x):   # (nbatch, ...) -> S + (...)
         return None if x is None else xp.reshape(x, p.batch_shape + x.shape[1:])

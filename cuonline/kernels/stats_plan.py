@@ -133,18 +133,25 @@ class _WholeKeys:
         self.split_keys = lk
 
 
-def stats_arguments(p, entry, **tail):
-    """The arguments of the statistics kernel ``entry`` (a key of :data:`STATS_ENTRIES`):
-    :data:`STATS_SIGNATURE` (the forward's operands and scalars, built and typed by
-    :func:`cuonline.kernels.arguments.attention_fwd_arguments`), then the entry's own,
-    explicitly typed: arrays as given (contiguous, the accumulation dtype; int64 indices;
-    None for a null pointer), ``top_k`` and ``nrows`` as int32."""
+def stats_arguments(p, tails):
+    """The arguments of the statistics kernels: ``{entry: its tail}`` (``entry`` a key of
+    :data:`STATS_ENTRIES`, its tail a dict of that entry's own parameters) -> ``{entry:
+    argument tuple}``.
+
+    Each tuple is :data:`STATS_SIGNATURE` (the forward's operands and scalars, built and typed
+    once by :func:`cuonline.kernels.arguments.attention_fwd_arguments`: one offset table for
+    every launch of a call), then the entry's own, explicitly typed: arrays as given
+    (contiguous, the accumulation dtype; int64 indices; None for a null pointer), ``top_k`` and
+    ``nrows`` as int32.
+    """
     forward = dict(zip(arguments.ATTENTION_FWD_SIGNATURE,
                        arguments.attention_fwd_arguments(p, _WholeKeys(p.lk), None, None)))
-    own = STATS_ENTRIES[entry]
-    if set(tail) != set(own):
-        raise TypeError(f"{entry} takes {', '.join(own)}, got {', '.join(sorted(tail))}")
-    for name in ("top_k", "nrows"):
-        if name in tail:
-            tail[name] = np.int32(tail[name])
-    return tuple(forward[n] for n in STATS_SIGNATURE) + tuple(tail[n] for n in own)
+    common = tuple(forward[n] for n in STATS_SIGNATURE)
+    out = {}
+    for entry, tail in tails.items():
+        own = STATS_ENTRIES[entry]
+        if set(tail) != set(own):
+            raise TypeError(f"{entry} takes {', '.join(own)}, got {', '.join(sorted(tail))}")
+        typed = {n: np.int32(x) if n in ("top_k", "nrows") else x for n, x in tail.items()}
+        out[entry] = common + tuple(typed[n] for n in own)
+    return out
