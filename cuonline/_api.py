@@ -527,14 +527,16 @@ def attention_stats(
         ``received=True``; finite.
     top_k : int, optional
         The number of keys with the largest weights to return per query. Default 0 (none).
-        May exceed the keys a query sees: the rest are -1 with weight 0.
+        May exceed the keys a query sees: the rest are -1 with weight 0. At most 32 on the
+        CUDA engine.
     rows : 1-D int array, optional
         Query indices (negative ones count from the end) whose full rows of ``P`` are
         returned, exactly; memory ``S + (len(rows), Lk)``.
-    backend : {"auto", "numpy"}, optional
-        The statistics run on the NumPy engine. The CUDA statistics kernels are not yet
-        available: CuPy inputs, ``backend="cupy"`` and ``backend="emulate"`` raise a
-        ValueError (convert with ``cupy.asnumpy``).
+    backend : {"auto", "numpy", "cupy", "emulate"}, optional
+        As :func:`attention`: ``"auto"`` runs NumPy arrays on the NumPy engine and CuPy
+        arrays on the CUDA engine (the kernels of ``kernels_cu/attention_stats.cu``);
+        ``"emulate"`` runs those kernels on the CPU (tests). Dask arrays run the NumPy engine
+        on each chunk.
     workers : int, optional
         Threads, as in :func:`attention`. Results are the same for every `workers`.
 
@@ -556,8 +558,7 @@ def attention_stats(
     ValueError
         As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
         ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
-        1-D or hold an index outside ``[-Lq, Lq)``, CuPy inputs or the ``"cupy"`` and
-        ``"emulate"`` backends (no CUDA statistics kernels yet).
+        1-D or hold an index outside ``[-Lq, Lq)``, and ``top_k > 32`` on the CUDA engine.
 
     See Also
     --------
@@ -579,7 +580,9 @@ def attention_stats(
     ``received`` is a second, key-owned pass: each block of keys adds
     :math:`w^\top P` of the query blocks in a fixed order, with :math:`P` recomputed from
     ``lse`` (deterministic for any `workers`); `rows` recompute their rows of :math:`P`
-    from ``lse``. Memory is a few tiles per thread plus the results.
+    from ``lse``. Memory is a few tiles per thread plus the results. The CUDA engine runs
+    the same passes as three kernels (docs/kernels.md, "The statistics kernels"); its top-k
+    is a sorted list of at most 32 entries held one per lane of a warp.
 
     Examples
     --------
@@ -608,8 +611,13 @@ def attention_stats(
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
                                             rows=rows)
-    engine = importlib.import_module("cuonline.engines." + (
-        "numpy_stats" if sp.scores.cu_seqlens_q is None else _VARLEN_ENGINE))
+    if sp.scores.cu_seqlens_q is not None:
+        name = _VARLEN_ENGINE               # packed batches (validation keeps them off CUDA)
+    elif sp.scores.backend in _CUDA_BACKENDS:
+        name = "cuda_stats"
+    else:
+        name = "numpy_stats"
+    engine = importlib.import_module("cuonline.engines." + name)
     return AttentionStats(**engine.attention_stats(sp))
 
 

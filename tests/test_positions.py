@@ -365,6 +365,7 @@ def test_softcap_bias_variants_are_listed_for_both_families():
                   if s.family != "softmax" and s.has("softcap_bias")}
         expected = {"attention_fwd_simt"} | ({"attention_fwd_mma"} if arch != "sm_75" else set())
         expected |= {"attention_bwd_simt"}     # the backward family, listed on every arch
+        expected |= {"attention_stats"}        # the statistics family, on every arch
         assert listed == expected, arch
     for spec in families.listing_specs("sm_90"):
         if spec.family != "softmax" and spec.has("softcap_bias"):

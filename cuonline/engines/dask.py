@@ -948,9 +948,14 @@ def attention_stats(stats_class, /, q, k, **options):
     p = _validate_on_stand_ins(dict(arrays), dict(options), _validate.validate_attention)
     metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in (("q", q), ("k", k))}
     if _validate.array_namespace(**metas) is not np:
-        raise ValueError("attention_stats runs on the NumPy engine only: the CUDA statistics "
-                         "kernels are not yet available; pass NumPy chunks "
+        raise ValueError("attention_stats on Dask arrays runs the NumPy engine on each chunk "
+                         "(its row states merge across chunks); pass NumPy chunks "
                          "(x.map_blocks(cupy.asnumpy))")
+    if options.get("backend") in ("cupy", "emulate"):
+        raise ValueError(f"attention_stats on Dask arrays runs the NumPy engine on each chunk "
+                         f"(its row states merge across chunks), got "
+                         f"backend={options['backend']!r}; pass backend='auto' or 'numpy', "
+                         f"or call it on NumPy or CuPy arrays for the CUDA kernels")
     weights = own["query_weights"]
     q_stand_in = _stand_in(q, "`q`", "q") if hasattr(q, "shape") else np.asarray(q)
     sp = _validate.validate_attention_stats(
