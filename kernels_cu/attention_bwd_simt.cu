@@ -35,7 +35,8 @@
 //     registers (lane t: columns t, t + 32, ...) and are written once.
 //   cuonline_attention_bwd_dq: grid.x = nbatch * n_query_tiles; the block owns kBlockR queries
 //     and loops over the key tiles they may see (lane t: keys t, t + 32, ...); dQ stays in
-//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds; with a
+//     registers; with kWriteDs each (i, j) of the loop's tiles adds its g into ds (a bias
+//     shared by several batch elements: one launch per sharer, run b of ds its slot); with a
 //     block bias, rel_bias or rel_qk the tile's g (and dC) go to shared memory and are reduced
 //     there into the block's partials (attention_grads.cuh, tile_partials). Each query row's
 //     sum of P goes to row_sums: the host checks lse with it.
@@ -417,7 +418,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                                            softcap, g_bias, g_content);
                     const bool inside = i < lq && j < lk;
                     if constexpr (kWriteDs) {
-                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
+                        if (inside) ds[(b * lq + i) * lk + j] += g_bias;
                     }
                     const int at = (warp * kRows + r) * kLdG + lane + 32 * t;
                     if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);

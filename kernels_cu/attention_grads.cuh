@@ -218,8 +218,8 @@ __device__ __forceinline__ void tile_partials(
         CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
         CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS; a block  \
-                                                     bias's (nbatch, slots, ceil(lq / r),     \
+        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS, added; a \
+                                                     block bias's (nbatch, slots, ceil(lq / r),     \
                                                      ceil(lk / c)) partials; or null */       \
         CUONLINE_ACC* __restrict__ drel_bias,     /* (nbatch, n_qtiles, Rb) or null */        \
         CUONLINE_ACC* __restrict__ drel_q,        /* (nbatch, lq, Dr) or null */              \
