@@ -457,3 +457,10 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
         if (t == 0 && i < lq) row_sums[b * lq + i] = sum;
     }
 }
+
+// rel_k's gradient at the exact distances, one warp per table row (attention_grads.cuh).
+extern "C" __global__ void __launch_bounds__(32 * cuonline::kRelkWarps, 1)
+cuonline_attention_bwd_mma_rel_k(CUONLINE_ATTENTION_BWD_PARAMS)
+{
+    CUONLINE_ATTENTION_BWD_REL_K_BODY;
+}

@@ -149,8 +149,10 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     drel_bias = (xp.zeros((nb, tiles, 2 * p.rel_bias_radius + 1), dtype=acc)
                  if rel_bias else None)
     drel_q = xp.zeros((nb, p.lq, p.dr), dtype=acc) if rel_qk else None
-    drel_k = (xp.zeros((nb, tiles, 2 * p.rel_k_radius + 1, p.dr), dtype=acc)
-              if rel_qk else None)
+    # rel_k's gradient: its end rows (every distance beyond the radius) as the dQ kernel's
+    # per-tile partials, the rows between from the rel_k kernel (one warp per row)
+    drel_k = xp.zeros((nb, tiles, 2, p.dr), dtype=acc) if rel_qk else None
+    rel_k_rows = xp.zeros((nb, 2 * p.rel_k_radius + 1, p.dr), dtype=acc) if rel_qk else None
     row_sums = xp.empty((nb, p.lq), dtype=acc)
     args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
                             row_sums)
@@ -161,16 +163,18 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     module = target.module(plan.spec)
     kernels = [module.get_function(entry) for entry in family.entries]
     if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
-        for kernel in kernels:
+        for kernel in kernels[:2]:
             kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
-    # the family's two entry points, dK/dV then dQ; the dQ kernel once per batch element
+    # the family's entry points, dK/dV then dQ; the dQ kernel once per batch element
     # sharing the bias, in the C order of its broadcast indices (each launch adds into every
-    # slot of ds at most once: a fixed order, no atomics)
+    # slot of ds at most once: a fixed order, no atomics); then the rel_k kernel
     kernels[0](plan.grid_dkdv, plan.block, args, shared_mem=plan.shared_bytes)
     for part in range(sharing):
         kernels[1]((plan.grid_dq[0] // sharing,) + plan.grid_dq[1:], plan.block,
                    args if sharing == 1 else _batch_run(args, part, nb // sharing),
                    shared_mem=plan.shared_bytes)
+    if plan.grid_rel_k[0]:
+        kernels[2](plan.grid_rel_k, plan.rel_k_block, _with(args, drel_k=rel_k_rows))
 
     def full(x):
         # the batch elements back in their order (the sums over partials taken first)
@@ -189,7 +193,12 @@ def _run(p, dout, out, lse, target, bias_shape=None):
         # the query tiles' partials, summed in one fixed-order reduction
         given["drel_bias"] = full(drel_bias.sum(axis=1))
     if rel_qk:
-        given["drel_q"], given["drel_k"] = full(drel_q), full(drel_k.sum(axis=1))
+        # the end rows: the query tiles' partials summed in one fixed-order reduction each
+        ends = drel_k.sum(axis=1)
+        rel_k_rows[:, 0] += ends[:, 0]
+        if p.rel_k_radius:
+            rel_k_rows[:, -1] += ends[:, 1]
+        given["drel_q"], given["drel_k"] = full(drel_q), full(rel_k_rows)
     return _zero_result(p, **given)
 
 
@@ -235,19 +244,22 @@ def _reordered(args, order):
     the per-element tables the argument builder made (the workspaces are allocated in that
     order already)."""
     named = dict(zip(arguments.ATTENTION_BWD_SIGNATURE, args))
-    for name in ("kv_lengths", "alibi_slopes", "offsets"):
-        if named[name] is not None:
-            named[name] = named[name][order]
-    return tuple(named[name] for name in arguments.ATTENTION_BWD_SIGNATURE)
+    return _with(args, **{name: named[name][order]
+                          for name in ("kv_lengths", "alibi_slopes", "offsets")
+                          if named[name] is not None})
 
 
 def _batch_run(args, part, count):
     """The arguments of the dQ launch over the batch elements ``[part count, (part + 1)
     count)`` (contiguous views of every per-element argument)."""
     named = dict(zip(arguments.ATTENTION_BWD_SIGNATURE, args))
-    for name in _PER_ELEMENT:
-        if named[name] is not None:
-            named[name] = named[name][part * count:(part + 1) * count]
+    return _with(args, **{name: named[name][part * count:(part + 1) * count]
+                          for name in _PER_ELEMENT if named[name] is not None})
+
+
+def _with(args, **values):
+    """The kernel arguments ``args`` with the named ones replaced by ``values``."""
+    named = dict(zip(arguments.ATTENTION_BWD_SIGNATURE, args), **values)
     return tuple(named[name] for name in arguments.ATTENTION_BWD_SIGNATURE)
 
 
