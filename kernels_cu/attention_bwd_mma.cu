@@ -43,7 +43,7 @@
 // P = 0 everywhere and get zero gradients; keys past kv_lengths (or Lk) are never read (the
 // loader zero-fills them).
 //
-// Work decomposition (two launches of one module, as attention_bwd_simt.cu)
+// Work decomposition (launches of one module, as attention_bwd_simt.cu)
 //   cuonline_attention_bwd_mma_dkdv: grid.x = nbatch * n_key_tiles; dK and dV of the block's
 //     kBlockR keys stay in registers through the loop over the query tiles that may see them.
 //   cuonline_attention_bwd_mma_dq: grid.x = nbatch * n_query_tiles (the heaviest causal tiles

@@ -28,7 +28,7 @@
 // mask or in another row never reaches a gradient through 0 * NaN. Rows that see no key
 // (lse = -inf) get zero gradients; keys past kv_lengths (or Lk) are never read.
 //
-// Work decomposition (two launches of this module, no atomics)
+// Work decomposition (launches of this module, no atomics)
 //   cuonline_attention_bwd_dkdv: grid.x = nbatch * n_key_tiles; the block owns kBlockR keys
 //     (warp w: keys [w kRows, (w+1) kRows)) and loops over the query tiles of kBlockC queries
 //     that may see them (lane t: queries t, t + 32, ...). dK and dV of its keys stay in
@@ -40,6 +40,8 @@
 //     block bias, rel_bias or rel_qk the tile's g (and dC) go to shared memory and are reduced
 //     there into the block's partials (attention_grads.cuh, tile_partials). Each query row's
 //     sum of P goes to row_sums: the host checks lse with it.
+//   cuonline_attention_bwd_rel_k (rel_qk): one warp per row of rel_k's gradient between its
+//     clamped ends (attention_grads.cuh, rel_k_rows).
 //   Per tile, scores and dP are lane-parallel over the streamed rows, then each streamed row's
 //   weight is broadcast by shuffle and accumulated into the owned rows' columns, in a fixed
 //   order: two runs give bitwise identical results.

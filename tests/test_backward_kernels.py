@@ -245,6 +245,24 @@ def test_a_shared_bias_gradient_is_the_fixed_order_sum_of_its_elements():
 
 
 @needs_emulation
+@pytest.mark.parametrize("radius", [0, 1, 60], ids=lambda r: f"radius{r}")
+def test_rel_k_rows_from_the_end_partials_and_the_diagonal_kernel(radius):
+    # rel_k's end rows come from the dQ kernel's tile partials, the rows between from the rel_k
+    # kernel (one warp per diagonal): radius 0 (one row, no rel_k launch), 1 (the two end rows
+    # and one diagonal) and 60 (every distance exact, the diagonals cut by the key lengths and
+    # the window), with per-element kv_lengths and a head-shared rel_k
+    import cuonline
+    rng, q, k, v = _api_case(np.float64)
+    options = dict(rel_q=rng.standard_normal((3, 37, 5)),
+                   rel_k=rng.standard_normal((2, 1, 2 * radius + 1, 5)),
+                   kv_lengths=np.array([41, 23])[:, None], window=(30, 4), q_offset=2)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
+    support.check_gradients(got, dout, q, k, v, options)
+
+
+@needs_emulation
 def test_nan_in_relative_rows_nobody_sees_stays_out_of_the_other_gradient():
     # issue 22 item 2: under causal no query sees distances > 0, and with Lq > Lk queries
     # 0..2 see no key; NaN there must give the gradients of zeros there (those places

@@ -8,14 +8,17 @@ The same steps as the forward engine (:mod:`cuonline.engines.cuda`): target
 ``kernels_cu/attention_bwd_simt.cu``) -> plan
 (:func:`cuonline.kernels.heuristics.plan_bwd_mma` or ``plan_bwd_simt``: tiles and spec) ->
 module (the target compiles the family's text) -> typed arguments
-(:func:`cuonline.kernels.arguments.attention_bwd_arguments`) -> two launches, dK/dV then dQ.
+(:func:`cuonline.kernels.arguments.attention_bwd_arguments`) -> launches: dK/dV, then dQ (once
+per batch element sharing a bias), then with rel_q/rel_k the rel_k kernel.
 
 Host work, all in a fixed order (no atomics, no reduction whose order depends on scheduling,
 so two runs give bitwise identical gradients): ``Delta_i = rowsum(dO_i * O_i)`` in the
 accumulation dtype, the sums over broadcast dimensions (one reduction per gradient), and the
-sums of the kernels' partials (a block bias's slots, the query tiles' relative partials). No array of Lq x Lk places is allocated unless it is the gradient (a bias):
-the dQ kernel reduces a block bias's, rel_bias's and rel_q/rel_k's gradients per tile
-(``kernels_cu/attention_grads.cuh``). The dQ kernel also sums each row's weights P; an ``lse`` under
+sums of the kernels' partials (a block bias's slots, the query tiles' relative partials). No
+array of Lq x Lk places is allocated unless it is the gradient (a bias, once per distinct
+bias: the batch elements sharing it add into it one dQ launch after another): the dQ kernel
+reduces a block bias's, rel_bias's and rel_q/rel_k's gradients per tile, rel_k's rows between
+its clamped ends come from the rel_k kernel (``kernels_cu/attention_grads.cuh``). The dQ kernel also sums each row's weights P; an ``lse`` under
 which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
 
