@@ -3,14 +3,13 @@ shape of its input as the user passed it.
 
 An input that the user broadcast (a bias shared by every head, keys and values shared by a
 group of query heads) receives, as in every autograd framework, the sum of the gradients of all
-the batch elements (and rows or columns) it was broadcast to. The sum runs in one fixed order,
-the C order of the broadcast indices, so two runs (and every engine that follows the same
-order) give bitwise-identical gradients.
+the batch elements (and rows or columns) it was broadcast to. The sum is one reduction per
+gradient, in an order fixed by the shapes (NumPy adds the broadcast batch elements in the C
+order of their indices), so two runs give bitwise-identical gradients.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +100,10 @@ def sum_to_shape(xp, grad, shape, tail=0):
     Returns
     -------
     array of shape `shape`
-        The broadcast batch dimensions are summed one index after the other in C order
-        (``g[0] + g[1] + ...``); a broadcast trailing dimension (the rows of a key-padding
-        bias) by ``xp.sum`` along it, whose order is fixed by the shape (NumPy's pairwise sum,
-        CuPy's reduction kernels: no atomics). Either way the result is bitwise reproducible,
-        never dependent on scheduling.
+        The broadcast batch dimensions, then a broadcast trailing dimension (the rows of a
+        key-padding bias), are each summed by one ``xp.sum``, whose order is fixed by the
+        shape (NumPy's pairwise and strided sums, CuPy's reduction kernels: no atomics): the
+        result is bitwise reproducible, never dependent on scheduling.
 
     Examples
     --------
@@ -132,11 +130,5 @@ def sum_to_shape(xp, grad, shape, tail=0):
     axes = [a for a in broadcast if a < grad.ndim - tail]
     if not axes:
         return grad.reshape(shape)
-    kept = [a for a in range(grad.ndim) if a not in axes]
-    moved = xp.transpose(grad, axes + kept)
-    count = math.prod(grad.shape[a] for a in axes)
-    flat = moved.reshape((count,) + tuple(grad.shape[a] for a in kept))
-    total = flat[0].copy()
-    for i in range(1, count):
-        total += flat[i]
-    return total.reshape(shape)
+    # one reduction over the broadcast batch dimensions (their order fixed by the shape)
+    return grad.sum(axis=tuple(axes)).reshape(shape)

@@ -43,12 +43,12 @@
 // P = 0 everywhere and get zero gradients; keys past kv_lengths (or Lk) are never read (the
 // loader zero-fills them).
 //
-// Work decomposition (two launches of one module, as attention_bwd_simt.cu)
+// Work decomposition (launches of one module, as attention_bwd_simt.cu)
 //   cuonline_attention_bwd_mma_dkdv: grid.x = nbatch * n_key_tiles; dK and dV of the block's
 //     kBlockR keys stay in registers through the loop over the query tiles that may see them.
 //   cuonline_attention_bwd_mma_dq: grid.x = nbatch * n_query_tiles (the heaviest causal tiles
 //     first, block_range); dQ stays in registers; with kWriteDs each place of the loop's tiles
-//     writes g into ds; with a block bias, rel_bias or rel_qk the tile's g (and its content
+//     adds g into ds (as attention_bwd_simt.cu); with a block bias, rel_bias or rel_qk the tile's g (and its content
 //     gradient dC) go to shared memory and are reduced there, as attention_bwd_simt.cu; each
 //     query row's sum of P goes to row_sums, for the host's check of lse.
 // Shared memory (dynamic; element type T in tensor_core.cuh's SmemTile layouts, then Acc):
@@ -424,7 +424,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                                            softcap, g_bias, g_content);
                     const bool inside = i < lq && j < lk;
                     if constexpr (kWriteDs) {
-                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
+                        if (inside) ds[(b * lq + i) * lk + j] += g_bias;
                     }
                     const int at = (warp_row + g + 8 * h) * kLdG + 8 * n + 2 * t + (e & 1);
                     if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
@@ -456,4 +456,11 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
         const long long i = i0 + warp_row + g + 8 * h;
         if (t == 0 && i < lq) row_sums[b * lq + i] = sum;
     }
+}
+
+// rel_k's gradient at the exact distances, one warp per table row (attention_grads.cuh).
+extern "C" __global__ void __launch_bounds__(32 * cuonline::kRelkWarps, 1)
+cuonline_attention_bwd_mma_rel_k(CUONLINE_ATTENTION_BWD_PARAMS)
+{
+    CUONLINE_ATTENTION_BWD_REL_K_BODY;
 }

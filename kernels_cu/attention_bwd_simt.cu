@@ -28,17 +28,20 @@
 // mask or in another row never reaches a gradient through 0 * NaN. Rows that see no key
 // (lse = -inf) get zero gradients; keys past kv_lengths (or Lk) are never read.
 //
-// Work decomposition (two launches of this module, no atomics)
+// Work decomposition (launches of this module, no atomics)
 //   cuonline_attention_bwd_dkdv: grid.x = nbatch * n_key_tiles; the block owns kBlockR keys
 //     (warp w: keys [w kRows, (w+1) kRows)) and loops over the query tiles of kBlockC queries
 //     that may see them (lane t: queries t, t + 32, ...). dK and dV of its keys stay in
 //     registers (lane t: columns t, t + 32, ...) and are written once.
 //   cuonline_attention_bwd_dq: grid.x = nbatch * n_query_tiles; the block owns kBlockR queries
 //     and loops over the key tiles they may see (lane t: keys t, t + 32, ...); dQ stays in
-//     registers; with kWriteDs each (i, j) of the loop's tiles writes its g into ds; with a
+//     registers; with kWriteDs each (i, j) of the loop's tiles adds its g into ds (a bias
+//     shared by several batch elements: one launch per sharer, run b of ds its slot); with a
 //     block bias, rel_bias or rel_qk the tile's g (and dC) go to shared memory and are reduced
 //     there into the block's partials (attention_grads.cuh, tile_partials). Each query row's
 //     sum of P goes to row_sums: the host checks lse with it.
+//   cuonline_attention_bwd_rel_k (rel_qk): one warp per row of rel_k's gradient between its
+//     clamped ends (attention_grads.cuh, rel_k_rows).
 //   Per tile, scores and dP are lane-parallel over the streamed rows, then each streamed row's
 //   weight is broadcast by shuffle and accumulated into the owned rows' columns, in a fixed
 //   order: two runs give bitwise identical results.
@@ -417,7 +420,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                                            softcap, g_bias, g_content);
                     const bool inside = i < lq && j < lk;
                     if constexpr (kWriteDs) {
-                        if (inside) ds[(b * lq + i) * lk + j] = g_bias;
+                        if (inside) ds[(b * lq + i) * lk + j] += g_bias;
                     }
                     const int at = (warp * kRows + r) * kLdG + lane + 32 * t;
                     if constexpr (kBiasTile) sGb[at] = inside ? g_bias : Acc(0);
@@ -473,4 +476,11 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             if (col < kD) dq[(b * lq + i) * kD + col] = dq_acc[r][c];
         }
     }
+}
+
+// rel_k's gradient at the exact distances, one warp per table row (attention_grads.cuh).
+extern "C" __global__ void __launch_bounds__(32 * cuonline::kRelkWarps, 1)
+cuonline_attention_bwd_rel_k(CUONLINE_ATTENTION_BWD_PARAMS)
+{
+    CUONLINE_ATTENTION_BWD_REL_K_BODY;
 }

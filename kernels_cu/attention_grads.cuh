@@ -129,9 +129,10 @@ __device__ __forceinline__ void block_bias_partials(const Acc* sGb, int lq, int 
 
 // The rel_q / rel_k gradients of the tile from its dC (sGc) and the staged sRq (the block's
 // rel_q rows from i0) and sRk (the band of rel_k from row band_lo): drel_q (the block's rows
-// from i0, (kM, kDr) at row stride kDr) += dC rel_k[row], part_k (2 radius + 1, kDr) +=
-// dC rel_q[i] per clamped distance. A zero gradient adds exactly 0 (a table row no visible
-// place uses may hold NaN or inf).
+// from i0, (kM, kDr) at row stride kDr) += dC rel_k[row], part_k (2, kDr) += dC rel_q[i] at
+// the clamped distances, rel_k's end rows 0 and 2 radius (one row where the radius is 0);
+// the exact distances between are rel_k_rows's. A zero gradient adds exactly 0 (a table row
+// no visible place uses may hold NaN or inf).
 template <int kM, int kN, int kLd, int kThreads, class Acc>
 __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, const Acc* sRk,
                                                 const ScorePipeline<Acc>& pipe, int lq,
@@ -149,8 +150,10 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
         }
         drel_q[r * kDr + d] += sum;
     }
-    for (int idx = threadIdx.x; idx < band_count * kDr; idx += kThreads) {
-        const int e = band_lo + idx / kDr, d = idx % kDr;
+    for (int idx = threadIdx.x; idx < 2 * kDr; idx += kThreads) {
+        const int end = idx / kDr, d = idx % kDr;
+        const int e = end * 2 * radius;
+        if ((end == 1 && radius == 0) || e < band_lo || e >= band_lo + band_count) continue;
         Acc sum = Acc(0);
         for (int r = 0; r < kM; ++r) {
             int c_lo, c_hi;
@@ -161,14 +164,14 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
                 if (g != Acc(0)) sum += g * rq;
             }
         }
-        part_k[e * kDr + d] += sum;
+        part_k[end * kDr + d] += sum;
     }
 }
 
 // Every in-kernel reduction of the dQ kernel's tile (query tile i0 / kM of batch element b,
 // keys from j0), after the barrier that publishes sGb and sGc: a block bias's into its slot of
-// ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's into the tile's
-// partials (the rel_k band of the tile staged in sRk).
+// ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's end rows into the
+// tile's partials (the rel_k band of the tile staged in sRk).
 template <int kM, int kN, int kLd, int kThreads, class Acc>
 __device__ __forceinline__ void tile_partials(
     const Acc* sGb, const Acc* sGc, const Acc* sRq, const Acc* sRk,
@@ -193,7 +196,7 @@ __device__ __forceinline__ void tile_partials(
         rel_qk_partials<kM, kN, kLd, kThreads>(sGc, sRq, sRk, pipe, lq, i0, j0, diag,
                                                rel_k_radius, band_lo, band_count,
                                                drel_q + (b * lq + i0) * kDr,
-                                               drel_k + tile * (2 * rel_k_radius + 1) * kDr);
+                                               drel_k + tile * 2 * kDr);
     }
 }
 
@@ -218,12 +221,13 @@ __device__ __forceinline__ void tile_partials(
         CUONLINE_ACC* __restrict__ dq,            /* (nbatch, lq, D) */                       \
         CUONLINE_ACC* __restrict__ dk,            /* (nbatch, lk, D) */                       \
         CUONLINE_ACC* __restrict__ dv,            /* (nbatch, lk, Dv) */                      \
-        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS; a block  \
-                                                     bias's (nbatch, slots, ceil(lq / r),     \
+        CUONLINE_ACC* __restrict__ ds,            /* (nbatch, lq, lk): a bias's dS, added; a \
+                                                     block bias's (nbatch, slots, ceil(lq / r),     \
                                                      ceil(lk / c)) partials; or null */       \
         CUONLINE_ACC* __restrict__ drel_bias,     /* (nbatch, n_qtiles, Rb) or null */        \
         CUONLINE_ACC* __restrict__ drel_q,        /* (nbatch, lq, Dr) or null */              \
-        CUONLINE_ACC* __restrict__ drel_k,        /* (nbatch, n_qtiles, Rk, Dr) or null */    \
+        CUONLINE_ACC* __restrict__ drel_k,        /* dQ: (nbatch, n_qtiles, 2, Dr), rel_k:   \
+                                                     (nbatch, Rk, Dr); or null */             \
         CUONLINE_ACC* __restrict__ row_sums,      /* (nbatch, lq): each row's sum of P */     \
         const long long* __restrict__ offsets,    /* (nbatch, kCount + 1) */                  \
         const long long* __restrict__ strides,    /* (kCount + 1, 2) */                       \
@@ -231,3 +235,110 @@ __device__ __forceinline__ void tile_partials(
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
         int rel_bias_radius, int rel_k_radius /* (Rb - 1) / 2, (Rk - 1) / 2 */
+
+namespace cuonline {
+
+// ---- rel_k's gradient at the exact distances: a third launch, one warp per table row
+//
+// Row e of drel_k (0 < e < 2 radius: delta = e - radius exactly) sums dC(i, i + diag + delta)
+// rel_q[i] over the query rows: one place per row, on one diagonal. A warp owns a row and walks
+// its diagonal in query order (lanes split each dot product, a fixed butterfly sums it),
+// recomputing P, dP and dC there: the extra memory is the gradient's own (nbatch, Rk, Dr), not
+// one partial per query tile. Rows 0 and 2 radius (every delta beyond the radius) are the dQ
+// kernel's (tile_partials). No shared memory and no block barrier: a warp past the table exits.
+constexpr int kRelkWarps = 4;  // cuonline/kernels/heuristics.py REL_K_THREADS = 32 kRelkWarps
+
+template <class T, class Acc, int kD, int kDv>
+__device__ __forceinline__ void rel_k_rows(
+    const T* q, const T* k, const T* v, const Acc* bias, const unsigned char* mask,
+    const long long* kv_lengths, const Acc* alibi, const Acc* rel_bias, const Acc* rel_q,
+    const Acc* rel_k, const T* dout, const Acc* lse, const Acc* delta, Acc* drel_k,
+    const long long* offsets, const long long* strides, int lq, int lk, long long diag,
+    Acc scale, Acc softcap, long long window_left, long long window_right, int bias_rows,
+    int bias_cols, int rel_bias_radius, int radius) {
+    if constexpr (kHasRelQk) {
+        constexpr int kCols = (kDr + 31) / 32;           // columns of Dr per lane
+        const int lane = threadIdx.x % 32;
+        const long long rows = 2LL * radius - 1;         // the table rows 1 .. 2 radius - 1
+        const long long per_batch = (rows + kRelkWarps - 1) / kRelkWarps;
+        const long long b = blockIdx.x / per_batch;
+        const long long e = 1 + (blockIdx.x - b * per_batch) * kRelkWarps + threadIdx.x / 32;
+        if (e > rows) return;
+        const long long dist = e - radius;
+
+        BlockRange range;
+        range.b = b;
+        range.i0 = 0;
+        range.i_end = lq;
+        range.diag = diag;
+        range.key_end = lk;
+        if constexpr (kHasKvLengths) range.key_end = kv_lengths[b];  // clipped to [0, lk]
+        range.j_lo = 0;
+        range.j_hi = range.key_end;
+        const long long* off = offsets + b * (operand::kCount + 1);
+        const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap,
+                                      alibi, bias, mask, off, strides, bias_rows, bias_cols,
+                                      rel_bias, rel_bias_radius, rel_q, rel_k, radius);
+        const long long* st = strides;
+        const T* q_b = q + off[operand::kQ];
+        const T* k_b = k + off[operand::kK];
+        const T* v_b = v + off[operand::kV];
+        const T* do_b = dout + off[operand::kCount];
+        const Acc* rq_b = rel_q + off[operand::kRelQ];
+        const Acc* rk_e = rel_k + off[operand::kRelK] + e * st[2 * operand::kRelK];
+        const long long rq_rs = st[2 * operand::kRelQ], rq_cs = st[2 * operand::kRelQ + 1];
+        const long long rk_cs = st[2 * operand::kRelK + 1];
+
+        Acc acc[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc[c] = Acc(0);
+        // the queries whose key i + diag + dist lies in [0, key_end), in order
+        const long long first = -diag - dist > 0 ? -diag - dist : 0;
+        const long long last = range.key_end - diag - dist < lq ? range.key_end - diag - dist
+                                                                : lq;
+        for (long long i = first; i < last; ++i) {
+            const long long j = i + diag + dist;
+            if (!pipe.in_range(i, j)) continue;          // warp-uniform
+            // q·k, dO·v and rel_q[i]·rel_k[e], each lane a strided share, then summed
+            Acc qk = Acc(0), dp = Acc(0), rel = Acc(0);
+            for (int c = lane; c < kD; c += 32)
+                qk += to_acc(q_b[i * st[2 * operand::kQ] + c * st[2 * operand::kQ + 1]]) *
+                      to_acc(k_b[j * st[2 * operand::kK] + c * st[2 * operand::kK + 1]]);
+            for (int c = lane; c < kDv; c += 32)
+                dp += to_acc(do_b[i * st[2 * operand::kCount] +
+                                  c * st[2 * operand::kCount + 1]]) *
+                      to_acc(v_b[j * st[2 * operand::kV] + c * st[2 * operand::kV + 1]]);
+            for (int c = lane; c < kDr; c += 32)
+                rel += rq_b[i * rq_rs + c * rq_cs] * rk_e[c * rk_cs];
+            qk = warp_sum(qk);
+            dp = warp_sum(dp);
+            rel = warp_sum(rel);
+            const Acc x = pipe.score(qk, i, j, rel);
+            const Acc p = backward_weight(x, lse[b * lq + i]);
+            Acc g_bias, g_content;
+            logit_grads(p, dp, delta[b * lq + i], x, qk, rel, scale, softcap, g_bias, g_content);
+            if (g_content != Acc(0)) {
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) {
+                    const int d = lane + 32 * c;
+                    if (d < kDr) acc[c] += g_content * rq_b[i * rq_rs + d * rq_cs];
+                }
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+            const int d = lane + 32 * c;
+            if (d < kDr) drel_k[(b * (2LL * radius + 1) + e) * kDr + d] = acc[c];
+        }
+    }
+}
+
+}  // namespace cuonline
+
+// The body of a backward family's rel_k kernel (rel_k_rows; empty without rel_qk), on its
+// parameters (CUONLINE_ATTENTION_BWD_PARAMS).
+#define CUONLINE_ATTENTION_BWD_REL_K_BODY                                                      \
+    cuonline::rel_k_rows<CUONLINE_T, CUONLINE_ACC, CUONLINE_D, CUONLINE_DV>(                   \
+        q, k, v, bias, mask, kv_lengths, alibi, rel_bias, rel_q, rel_k, dout, lse, delta,      \
+        drel_k, offsets, strides, lq, lk, diagonal_offset, scale, softcap, window_left,        \
+        window_right, bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius)

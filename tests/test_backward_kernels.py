@@ -180,6 +180,11 @@ API_OPTIONS = {
     "gqa-causal": lambda rng: dict(causal=True),
     "shared-bias": lambda rng: dict(bias=rng.standard_normal((37, 41)).astype(np.float32),
                                     kv_lengths=np.array([41, 30])[:, None]),
+    # a bias per batch element shared by its heads: dS added in place, one dQ launch per head,
+    # with per-element kv_lengths and per-head slopes reordered with the batch
+    "head-shared-bias": lambda rng: dict(bias=rng.standard_normal((2, 1, 37, 41)),
+                                         kv_lengths=np.array([41, 23])[:, None],
+                                         alibi_slopes=np.array([0.1, 0.2, 0.3])),
     "block-bias": lambda rng: dict(bias=rng.standard_normal((1, 10, 6)), bias_block=(4, 7)),
     "rel-bias": lambda rng: dict(rel_bias=rng.standard_normal((3, 9)), window=(20, 3),
                                  alibi_slopes=np.array([0.1, 0.2, 0.3])),
@@ -213,6 +218,47 @@ def test_attention_backward_on_the_emulated_engine(name, dtype):
         g = getattr(got, field)
         # each gradient in the dtype of its input as passed
         assert x is None or (g.shape == x.shape and g.dtype == x.dtype), (field, g.shape, g.dtype)
+    support.check_gradients(got, dout, q, k, v, options)
+
+
+@needs_emulation
+def test_a_shared_bias_gradient_is_the_fixed_order_sum_of_its_elements():
+    # the in-place accumulation over the heads sharing a bias: bitwise the per-element
+    # gradients (cuda_backward.gradients without a bias shape) added head after head, and
+    # bitwise the same in two runs
+    import cuonline
+    from cuonline.engines import cuda_backward
+    rng, q, k, v = _api_case(np.float32)
+    options = API_OPTIONS["head-shared-bias"](rng)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    first, second = (cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate",
+                                                 **options) for _ in range(2))
+    assert first.dbias.tobytes() == second.dbias.tobytes()
+    each = cuda_backward.gradients(problem_of("emulate", q, k, v, **options), dout, out,
+                                   lse)["dbias"]
+    want = each[:, 0].copy()
+    for head in range(1, each.shape[1]):
+        want += each[:, head]
+    assert first.dbias.shape == (2, 1, 37, 41)
+    assert first.dbias[:, 0].astype(np.float32).tobytes() == want.tobytes()
+
+
+@needs_emulation
+@pytest.mark.parametrize("radius", [0, 1, 60], ids=lambda r: f"radius{r}")
+def test_rel_k_rows_from_the_end_partials_and_the_diagonal_kernel(radius):
+    # rel_k's end rows come from the dQ kernel's tile partials, the rows between from the rel_k
+    # kernel (one warp per diagonal): radius 0 (one row, no rel_k launch), 1 (the two end rows
+    # and one diagonal) and 60 (every distance exact, the diagonals cut by the key lengths and
+    # the window), with per-element kv_lengths and a head-shared rel_k
+    import cuonline
+    rng, q, k, v = _api_case(np.float64)
+    options = dict(rel_q=rng.standard_normal((3, 37, 5)),
+                   rel_k=rng.standard_normal((2, 1, 2 * radius + 1, 5)),
+                   kv_lengths=np.array([41, 23])[:, None], window=(30, 4), q_offset=2)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
     support.check_gradients(got, dout, q, k, v, options)
 
 

@@ -171,6 +171,17 @@ def test_block_and_relative_terms_float16(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bias_shared_by_the_heads_float16(backend):
+    # dS added in place, one dQ launch per head: per-element kv_lengths and per-head slopes
+    # follow the reordered batch
+    rng = np.random.default_rng(8)
+    dout, q, k, v, _ = case(8, np.float16, lq=70, lk=75, batch=(2, 3))
+    opts = dict(bias=rng.standard_normal((2, 1, 70, 75)).astype(np.float32),
+                kv_lengths=np.array([75, 40])[:, None], alibi_slopes=np.array([0.1, 0.2, 0.3]))
+    check_gradients(run(backend, dout, q, k, v, opts), dout, q, k, v, opts)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_views_take_the_element_wise_loader(backend):
     # q and k as views of their transposes (column stride L): no cp.async, the element-wise
     # loader fills the same shared-memory layout

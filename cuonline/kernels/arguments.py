@@ -244,7 +244,8 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel
     ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds``
     ``(nbatch, lq, lk)`` (a bias's gradient) or None, the relative gradients' partials
     ``drel_bias`` ``(nbatch, n_query_tiles, Rb)``, ``drel_q`` ``(nbatch, lq, Dr)`` and
-    ``drel_k`` ``(nbatch, n_query_tiles, Rk, Dr)``, zero-filled, or None, ``row_sums``
+    ``drel_k`` ``(nbatch, n_query_tiles, 2, Dr)`` (rel_k's end rows; the rel_k kernel gets
+    its ``(nbatch, Rk, Dr)`` rows in this place), zero-filled, or None, ``row_sums``
     ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
     accumulation dtype.
     """

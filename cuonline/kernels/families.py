@@ -301,7 +301,8 @@ ATTENTION_FWD_MMA = Family(
 ATTENTION_BWD_SIMT = Family(
     name=AttentionBwdSimtSpec.family, source="attention_bwd_simt.cu",
     headers=(COMMON_HEADER, "attention_score.cuh", "attention_grads.cuh"),
-    entries=("cuonline_attention_bwd_dkdv", "cuonline_attention_bwd_dq"),
+    entries=("cuonline_attention_bwd_dkdv", "cuonline_attention_bwd_dq",
+             "cuonline_attention_bwd_rel_k"),
     spec=AttentionBwdSimtSpec, planner=heuristics.plan_bwd_simt,
     arguments=arguments.attention_bwd_arguments, listing=_bwd_listing,
 )
@@ -309,7 +310,8 @@ ATTENTION_BWD_MMA = Family(
     name=AttentionBwdMmaSpec.family, source="attention_bwd_mma.cu",
     headers=(COMMON_HEADER, "tensor_core.cuh", "mma_fragments.cuh", "mma_tile_load.cuh",
              "attention_score.cuh", "attention_grads.cuh"),
-    entries=("cuonline_attention_bwd_mma_dkdv", "cuonline_attention_bwd_mma_dq"),
+    entries=("cuonline_attention_bwd_mma_dkdv", "cuonline_attention_bwd_mma_dq",
+             "cuonline_attention_bwd_mma_rel_k"),
     spec=AttentionBwdMmaSpec, planner=heuristics.plan_bwd_mma,
     arguments=arguments.attention_bwd_arguments, listing=_bwd_mma_listing,
 )

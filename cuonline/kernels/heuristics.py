@@ -20,6 +20,7 @@ from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_n
                     bwd_bias_tile, dtype_name)
 
 __all__ = ["BwdPlan", "COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES",
+           "REL_K_WARPS",
            "MmaTiles", "Plan", "arch_number", "bwd_smem_limit", "bwd_uses_mma",
            "choose_bwd_mma_tiles", "choose_bwd_tiles", "plan_bwd_mma",
            "plan_bwd_simt", "choose_mma_tiles", "choose_splits", "choose_tiles",
@@ -511,14 +512,38 @@ def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
 
 @dataclass(frozen=True)
 class BwdPlan:
-    """A backward launch: the variant and the grids of its two kernels (same block and shared
-    memory), both over ``grid.x`` only."""
+    """A backward launch: the variant and the grids of its kernels, all over ``grid.x`` only:
+    dK/dV and dQ (same block and shared memory), then with rel_q/rel_k the rel_k kernel
+    (``rel_k_block`` threads, no shared memory; a grid of 0 blocks: not launched)."""
 
     spec: object             # AttentionBwdSimtSpec
     grid_dkdv: tuple         # nbatch * ceil(lk / block_r) blocks
     grid_dq: tuple           # nbatch * ceil(lq / block_r) blocks
     block: tuple
     shared_bytes: int
+    grid_rel_k: tuple = (0, 1, 1)   # nbatch * ceil((Rk - 2) / REL_K_WARPS) blocks
+    rel_k_block: tuple = (0, 1, 1)
+
+
+#: Warps of a rel_k kernel block, each owning one row of rel_k's gradient (``kRelkWarps`` of
+#: kernels_cu/attention_grads.cuh): small blocks, as each warp walks a diagonal alone.
+REL_K_WARPS = 4
+
+
+def _bwd_grids(problem, spec, names) -> dict:
+    """The grids of a backward plan (:class:`BwdPlan`'s fields) of ``problem`` on ``spec``:
+    a ValueError where one exceeds CUDA's grid."""
+    grids = dict(grid_dkdv=problem.nbatch * math.ceil(problem.lk / spec.block_r),
+                 grid_dq=problem.nbatch * math.ceil(problem.lq / spec.block_r), grid_rel_k=0)
+    if "rel_qk" in names and problem.dr > 0 and problem.rel_k_radius > 0:
+        # the rows 1 .. 2 radius - 1 of rel_k's gradient, one per warp
+        grids["grid_rel_k"] = problem.nbatch * math.ceil((2 * problem.rel_k_radius - 1)
+                                                         / REL_K_WARPS)
+    need = max(grids.values())
+    if need > MAX_GRID_X:
+        raise ValueError(f"attention backward needs {need} thread blocks, more than CUDA's "
+                         f"{MAX_GRID_X}; use backend='numpy' or split the batch")
+    return {name: (n, 1, 1) for name, n in grids.items()}
 
 
 def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
@@ -539,13 +564,8 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
                                 dv=problem.dv, warps=warps, rows_per_warp=rows,
                                 items_per_lane=per, write_ds=write_ds, features=names, dr=dr)
-    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
-    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
-    if max(grid_dkdv, grid_dq) > MAX_GRID_X:
-        raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
-                         f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
-                         f"batch")
-    return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
+    return BwdPlan(spec=spec, **_bwd_grids(problem, spec, names),
+                   rel_k_block=(32 * REL_K_WARPS, 1, 1),
                    block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
 
 
@@ -635,11 +655,6 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,
                                block_c=block_c, cp_async=bool(cp_async), write_ds=write_ds,
                                features=names, dr=dr)
-    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
-    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
-    if max(grid_dkdv, grid_dq) > MAX_GRID_X:
-        raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
-                         f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
-                         f"batch")
-    return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
+    return BwdPlan(spec=spec, **_bwd_grids(problem, spec, names),
+                   rel_k_block=(32 * REL_K_WARPS, 1, 1),
                    block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
