@@ -154,15 +154,15 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
         const int end = idx / kDr, d = idx % kDr;
         const int e = end * 2 * radius;
         if ((end == 1 && radius == 0) || e < band_lo || e >= band_lo + band_count) continue;
+        // each row's dC summed first, then times its rel_q: two short sums, not one of up to
+        // kM * kN terms (whose rounding grew past a naive float32 computation's)
         Acc sum = Acc(0);
         for (int r = 0; r < kM; ++r) {
             int c_lo, c_hi;
             clamped_columns<kN>(i0 + r, j0, diag, radius, e, c_lo, c_hi);
-            const Acc rq = sRq[r * kLdRel + d];
-            for (int c = c_lo; c <= c_hi; ++c) {
-                const Acc g = sGc[r * kLd + c];
-                if (g != Acc(0)) sum += g * rq;
-            }
+            Acc row = Acc(0);
+            for (int c = c_lo; c <= c_hi; ++c) row += sGc[r * kLd + c];
+            if (row != Acc(0)) sum += row * sRq[r * kLdRel + d];
         }
         part_k[end * kDr + d] += sum;
     }
