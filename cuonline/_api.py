@@ -22,7 +22,8 @@ __all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp"
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
-#: packed variable-length batches (cu_seqlens): validation admits them on the NumPy engine only
+#: packed variable-length batches (cu_seqlens) on the NumPy engines: the varlen driver (the
+#: CUDA engine's kernels take them themselves)
 _VARLEN_ENGINE = "numpy_varlen"
 #: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
 Array = Any
@@ -278,7 +279,7 @@ def attention(
 def _engine(engines: dict, problem: Any) -> str:
     """The module under cuonline.engines that runs ``problem``, from ``engines`` (backend ->
     module) or, for a packed variable-length batch, the varlen driver (which does both)."""
-    if problem.cu_seqlens_q is not None:
+    if problem.cu_seqlens_q is not None and problem.backend == "numpy":
         return _VARLEN_ENGINE
     return engines[problem.backend]
 

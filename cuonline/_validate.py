@@ -429,7 +429,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     arrays = {n: x for n, x in o.arrays().items() if n not in CU_SEQLENS}
     xp = array_namespace(q=q, k=k, v=v, **arrays)
     backend = check_backend(o.backend, xp)
-    varlen = _check_varlen_options(o, backend)
+    varlen = _check_varlen_options(o)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -578,10 +578,10 @@ CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 _NOT_WITH_VARLEN = ("bias", "mask", "bias_block", "kv_lengths")
 
 
-def _check_varlen_options(o: Options, backend: str) -> bool:
+def _check_varlen_options(o: Options) -> bool:
     """Whether the call is a packed variable-length batch: ``cu_seqlens_q`` and
     ``cu_seqlens_k`` given together, without the options that have no meaning across
-    sequences, on an engine that runs it."""
+    sequences."""
     given = [n for n in CU_SEQLENS if getattr(o, n) is not None]
     if not given:
         return False
@@ -598,13 +598,17 @@ def _check_varlen_options(o: Options, backend: str) -> bool:
                 f"packed sequences; got {name}={_describe(getattr(o, name))}. Use the "
                 f"per-sequence options (causal, window, alibi_slopes, rel_bias, rel_q/rel_k) "
                 f"or call without cu_seqlens on padded arrays")
-    if backend in _CUDA_BACKENDS:
-        raise ValueError(
-            f"packed variable-length batches (`cu_seqlens_q`, `cu_seqlens_k`) run on the "
-            f"NumPy engine only: the CUDA varlen kernels are not yet available "
-            f"(backend={backend!r}); pass NumPy arrays (cupy.asnumpy) with backend='auto' or "
-            f"'numpy'")
     return True
+
+
+def _check_varlen_backward(p: Problem) -> None:
+    """The CUDA engine runs the forward of a packed batch, not yet its backward."""
+    if p.cu_seqlens_q is not None and p.backend in _CUDA_BACKENDS:
+        raise ValueError(
+            f"the backward of a packed variable-length batch (`cu_seqlens_q`, `cu_seqlens_k`) "
+            f"runs on the NumPy engine only: the CUDA varlen backward kernels are not yet "
+            f"available (backend={p.backend!r}); pass NumPy arrays (cupy.asnumpy) with "
+            f"backend='auto' or 'numpy'")
 
 
 def _describe(value) -> str:
@@ -872,6 +876,7 @@ def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None
     o = _options_of(options, keywords)
     xp = array_namespace(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     p = validate_attention(q, k, v, o, return_lse=True)
+    _check_varlen_backward(p)
     if isinstance(dout, numbers.Real) and not isinstance(dout, (bool, np.bool_, np.generic)):
         # a Python number takes the inputs' dtype, as Python numbers do in every other option
         dout = xp.asarray(dout, dtype=p.dtype)

@@ -97,7 +97,10 @@ def _mma(dtype, d, dv, lq, *, arch, cp_async=True, features=(), split=False):
 
 
 def _names(family):
-    return tuple(f.name for f in features.supported_by(family))
+    """The score options ``family`` supports (the layouts are listed on their own:
+    :func:`_varlen_listing`)."""
+    return tuple(f.name for f in features.supported_by(family)
+                 if f.name not in features.LAYOUT_FEATURES)
 
 
 def _alone(name):
@@ -134,7 +137,7 @@ def _simt_listing(arch: str = DEFAULT_ARCH) -> list:
                 specs.append(_simt(dtype, d, d, 4096, arch=arch, features=together))
     for together in _together(names):
         specs.append(_simt("float64", 256, 256, 1, arch=arch, split=True, features=together))
-    return specs
+    return specs + _varlen_listing(_simt, names, arch)
 
 
 def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
@@ -167,6 +170,24 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
         specs.append(_mma("float16", 256, 256, 4096, arch=arch, features=together))
         specs.append(_mma("float64", 64, 64, 4096, arch=arch, features=together))
         specs.append(_mma("float64", 128, 128, 1, arch=arch, split=True, features=together))
+    return specs + _varlen_listing(_mma, names, arch)
+
+
+def _varlen_listing(make, names, arch) -> list:
+    """Packed batches (issue 20) on a forward family (``make``: :func:`_simt` or
+    :func:`_mma`): float32 (float16 on the tensor cores) at D = 64 alone, float16 D = 128
+    causal with lse, every score option at D = 64 (with either soft cap; bias, mask,
+    bias_block and kv_lengths are refused with a packed batch) and at float64 D = 128 (SIMT)
+    or D = 64 (tensor cores)."""
+    score = tuple(n for n in names if n not in ("bias", "bias_block", "mask", "kv_lengths"))
+    first = "float32" if make is _simt else "float16"
+    specs = [make(first, 64, 64, 4096, arch=arch, features=("varlen",)),
+             make("float16", 128, 128, 4096, arch=arch,
+                  features=("window", "return_lse", "varlen"))]
+    for together in _together(score):
+        specs.append(make(first, 64, 64, 4096, arch=arch, features=together + ("varlen",)))
+    wide = 128 if make is _simt else 64
+    specs.append(make("float64", wide, wide, 4096, arch=arch, features=score + ("varlen",)))
     return specs
 
 

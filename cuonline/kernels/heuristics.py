@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import features
+from . import features, varlen
 from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
                     bwd_bias_tile, dtype_name)
 
@@ -190,6 +190,8 @@ class Plan:
     grid: tuple
     block: tuple
     shared_bytes: int
+    # a packed batch: its blocks (cuonline.kernels.varlen.TileTable), else None
+    varlen: object = None
 
 
 def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
@@ -374,6 +376,8 @@ def combine_launch(nrows):
 
 def _plan_forward(problem, family, block_m, block_n, make_spec, num_sms, n_splits):
     """The part of a forward plan every family shares: key splits, grid, flags, spec."""
+    if getattr(problem, "cu_seqlens_q", None) is not None:
+        return _plan_varlen(problem, family, block_m, make_spec)
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:
         n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
@@ -433,6 +437,23 @@ def plan_mma(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=No
 
     return _plan_forward(problem, AttentionMmaSpec.family, 16 * tiles.m_tiles * tiles.warps,
                          tiles.block_n, make_spec, num_sms, n_splits)
+
+
+def _plan_varlen(problem, family, block_m, make_spec):
+    """A packed batch's forward plan: a block per (query tile of a sequence, batch element),
+    from :func:`cuonline.kernels.varlen.tile_table`, the heaviest first; never a key split
+    (a sequence's keys are few, and the blocks are many)."""
+    table = varlen.tile_table(problem.cu_seqlens_q, problem.cu_seqlens_k,
+                              problem.sequence_diagonals, problem.window, block_m)
+    grid_x = problem.nbatch * len(table)
+    if grid_x > MAX_GRID_X:
+        raise ValueError(f"a packed batch of {problem.nbatch} batch elements x {len(table)} "
+                         f"query tiles needs {grid_x} thread blocks on the CUDA engine, more "
+                         f"than CUDA's {MAX_GRID_X}; split the call along the batch")
+    spec = make_spec(features=features.of_problem(problem, family), split=False)
+    return Plan(spec=spec, n_qtiles=len(table), n_splits=1, split_keys=problem.lk,
+                grid=(grid_x, 1, 1), block=(spec.threads, 1, 1),
+                shared_bytes=spec.shared_bytes, varlen=table)
 
 
 # --------------------------------------------------------------------------------------------
