@@ -532,3 +532,25 @@ def test_benchmark_preamble_prints_the_machine(monkeypatch, capsys):
     rows, keys = numpy_engine.blocks(np.float32)
     assert lines[4].startswith("caches per core: L1d")
     assert f"float32 forward {rows}x{keys}" in lines[4]
+
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(tk._VECTOR_BITS is None, reason="numba compiles for a CPU without AVX-512")
+def test_kernels_use_the_full_vector_width(tmp_path):
+    """On an AVX-512 CPU the kernels' loops run on 512-bit registers, not on the 256 bits LLVM
+    prefers for Intel cores (1.5x on the forward tile, docs/performance.md): the assembly numba
+    makes for them uses zmm registers. Compiled afresh in a subprocess (numba shows no assembly
+    of code loaded from its cache)."""
+    code = ("import numpy as np\n"
+            "from cuonline.engines import cpu_runtime\n"
+            "for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows'):\n"
+            "    kernel = cpu_runtime.tile_kernel(np.float32, name)\n"
+            "    asm = ''.join(kernel.inspect_asm().values())\n"
+            "    print(name, asm.count('%zmm'))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
+                         capture_output=True, text=True)
+    counts = dict(line.split() for line in run.stdout.splitlines())
+    assert set(counts) == {"online_softmax_tile", "backward_tile", "softmax_rows"}
+    assert all(int(n) > 0 for n in counts.values()), counts
