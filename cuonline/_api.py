@@ -161,8 +161,8 @@ def attention(
         `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
         sequence. Empty sequences on either side are allowed. Any integer dtype and array
         library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
-        `mask`, `bias_block` or `kv_lengths`; NumPy engine only (docs/semantics.md, "Packed
-        variable-length batches").
+        `mask`, `bias_block` or `kv_lengths`; the NumPy and CUDA engines run them, forward
+        and backward (docs/semantics.md, "Packed variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -210,8 +210,8 @@ def attention(
         inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
         `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
         packed length, of different counts, one without the other; a non-integer one is a
-        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
-        ``"cupy"`` and ``"emulate"`` backends or Dask arrays (no varlen kernels yet).
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with Dask
+        arrays.
 
     See Also
     --------

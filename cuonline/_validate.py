@@ -601,16 +601,6 @@ def _check_varlen_options(o: Options) -> bool:
     return True
 
 
-def _check_varlen_backward(p: Problem) -> None:
-    """The CUDA engine runs the forward of a packed batch, not yet its backward."""
-    if p.cu_seqlens_q is not None and p.backend in _CUDA_BACKENDS:
-        raise ValueError(
-            f"the backward of a packed variable-length batch (`cu_seqlens_q`, `cu_seqlens_k`) "
-            f"runs on the NumPy engine only: the CUDA varlen backward kernels are not yet "
-            f"available (backend={p.backend!r}); pass NumPy arrays (cupy.asnumpy) with "
-            f"backend='auto' or 'numpy'")
-
-
 def _describe(value) -> str:
     shape = getattr(value, "shape", None)
     return f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
@@ -876,7 +866,6 @@ def validate_attention_backward(dout, q, k, v, out, lse, options: Options | None
     o = _options_of(options, keywords)
     xp = array_namespace(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     p = validate_attention(q, k, v, o, return_lse=True)
-    _check_varlen_backward(p)
     if isinstance(dout, numbers.Real) and not isinstance(dout, (bool, np.bool_, np.generic)):
         # a Python number takes the inputs' dtype, as Python numbers do in every other option
         dout = xp.asarray(dout, dtype=p.dtype)

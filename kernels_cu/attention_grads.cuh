@@ -52,6 +52,55 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
     return g * scale;
 }
 
+// ---- the block of a dK/dV kernel: the keys [j0, j0 + kBlockR) of batch element b
+//      (grid.x = nbatch * n_key_tiles), or, in a packed batch, of the key tile its entry of
+//      varlen_key_tiles gives (grid.x = n_key_tiles * nbatch, tile-major, as the forward's
+//      varlen_block_range), with its sequence's lengths, diagonal and first rows.
+struct KeyBlock {
+    long long b;       // batch element
+    long long ob;      // its row of the offset table (packed: of its sequence in b)
+    long long j0;      // first key of the block (local to the sequence)
+    int lq, lk;        // lengths: lq, lk, or the sequence's
+    long long diag;    // the key facing query 0
+    // the sequence's first query and key rows (0 unpacked): query i's row in the (nbatch, lq)
+    // buffers (lse, delta) is b * lq + q_start + i, key j's in the (nbatch, lk) ones (dk, dv)
+    // b * lk + k_start + j (formed where used: held, the products cost registers)
+    long long q_start, k_start;
+};
+
+template <int kBlockR>
+__device__ __forceinline__ KeyBlock key_block(int lq, int lk, long long diagonal_offset,
+                                              const int* __restrict__ key_tiles,
+                                              const long long* __restrict__ seqs,
+                                              int n_key_tiles) {
+    KeyBlock r;
+    if constexpr (kVarlen) {
+        const long long nbatch = gridDim.x / n_key_tiles;
+        const long long e = blockIdx.x / nbatch;
+        r.b = blockIdx.x - e * nbatch;
+        const long long s = key_tiles[2 * e];
+        const long long* seq = seqs + kSeqCols * s;
+        r.ob = s * nbatch + r.b;
+        r.j0 = (long long)key_tiles[2 * e + 1] * kBlockR;
+        r.lq = int(seq[1]);
+        r.lk = int(seq[2]);
+        r.diag = seq[3];
+        r.q_start = seq[0];
+        r.k_start = seq[4];
+    } else {
+        const long long n_ktiles = (lk + kBlockR - 1) / kBlockR;
+        r.b = blockIdx.x / n_ktiles;
+        r.ob = r.b;
+        r.j0 = (blockIdx.x - r.b * n_ktiles) * kBlockR;
+        r.lq = lq;
+        r.lk = lk;
+        r.diag = diagonal_offset;
+        r.q_start = 0;
+        r.k_start = 0;
+    }
+    return r;
+}
+
 // ---- the relative gradients of one tile, reduced in the kernel (no (lq, lk) workspace)
 //
 // The dQ kernels leave a tile's gradients in shared memory (rows: the queries [i0, i0 + kM),
@@ -168,15 +217,18 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
 // Every in-kernel reduction of the dQ kernel's tile (query tile i0 / kM of batch element b,
 // keys from j0), after the barrier that publishes sGb and sGc: a block bias's into its slot of
 // ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's into the tile's
-// partials (the rel_k band of the tile staged in sRk).
+// partials (the rel_k band of the tile staged in sRk). lq, lk, diag: the block's problem's
+// (a packed batch: its sequence's); q_row0: the row of its query 0 in the (nbatch, lq)
+// buffers; slot: a packed batch's slot for the block in the per-query-tile partials (one per
+// entry of its table, BlockRange::slot).
 template <int kM, int kN, int kLd, int kThreads, class Acc>
 __device__ __forceinline__ void tile_partials(
     const Acc* sGb, const Acc* sGc, const Acc* sRq, const Acc* sRk,
     const ScorePipeline<Acc>& pipe, long long b, long long i0, long long j0, int lq, int lk,
     long long diag, int bias_rows, int bias_cols, int rel_bias_radius, int rel_k_radius,
-    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k) {
+    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k, long long q_row0, long long slot) {
     const int n_tiles = int((lq + (long long)kM - 1) / kM);
-    const long long tile = b * n_tiles + i0 / kM;
+    const long long tile = kVarlen ? slot : b * n_tiles + i0 / kM;
     if constexpr (kHasBiasBlock) {
         const int slots = block_bias_slots<kM>(bias_rows, n_tiles);
         const long long grad = ((lq + (long long)bias_rows - 1) / bias_rows) *
@@ -192,7 +244,7 @@ __device__ __forceinline__ void tile_partials(
         pipe.rel_k_band(i0, kM, j0, kN, band_lo, band_count);
         rel_qk_partials<kM, kN, kLd, kThreads>(sGc, sRq, sRk, pipe, lq, i0, j0, diag,
                                                rel_k_radius, band_lo, band_count,
-                                               drel_q + (b * lq + i0) * kDr,
+                                               drel_q + (q_row0 + i0) * kDr,
                                                drel_k + tile * (2 * rel_k_radius + 1) * kDr);
     }
 }
@@ -230,4 +282,8 @@ __device__ __forceinline__ void tile_partials(
         int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
-        int rel_bias_radius, int rel_k_radius /* (Rb - 1) / 2, (Rk - 1) / 2 */
+        int rel_bias_radius, int rel_k_radius, /* (Rb - 1) / 2, (Rk - 1) / 2 */              \
+        const int* __restrict__ varlen_tiles,     /* packed: (n, 2) sequence, query tile */   \
+        const int* __restrict__ varlen_key_tiles, /* packed: (n_k, 2) sequence, key tile */   \
+        const long long* __restrict__ varlen_seqs, /* packed: (B, kSeqCols) */               \
+        int varlen_n_tiles, int varlen_n_key_tiles /* packed: rows of the two tables */

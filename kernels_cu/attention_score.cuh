@@ -52,6 +52,9 @@ constexpr bool kWritesLse = kSplit || kReturnLse;
 // found in a host-built table; lengths, diagonal and rows are that sequence's (local indices).
 constexpr bool kVarlen = CUONLINE_VARLEN != 0;
 static_assert(!(kVarlen && kSplit), "packed batches are not split across grid.z");
+// Columns of a packed batch's sequence table (varlen_seqs, cuonline/kernels/varlen.py): first
+// query row, query length, key length, diagonal offset, first key row.
+constexpr int kSeqCols = 5;
 
 // Operands in the per-batch offset table (offsets[b * kCount + op]) and in strides[2 op]
 // (row stride), strides[2 op + 1] (column stride), in elements.
@@ -88,7 +91,7 @@ enum : int {
         int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
         int rel_bias_radius, int rel_k_radius,         /* (Rb - 1) / 2, (Rk - 1) / 2 */  \
         const int* __restrict__ varlen_tiles,  /* packed: (n_tiles, 2) sequence, query tile */ \
-        const long long* __restrict__ varlen_seqs, /* packed: (B, 4) q start, lq, lk, diag */ \
+        const long long* __restrict__ varlen_seqs, /* packed: (B, kSeqCols) */               \
         int varlen_n_tiles                     /* packed: rows of varlen_tiles */
 
 // The output element type of a family whose final element type is T: a split writes partial,
@@ -102,8 +105,11 @@ using AttentionOut = typename Select<kSplit, Acc, T>::type;
 struct BlockRange {
     long long b;        // flattened batch element
     long long ob;       // its row of the offset table (packed: of its sequence in b)
-    int lq;             // queries of the block's problem: lq, or its sequence's (packed)
-    long long out0;     // packed: row of the sequence's query 0 in out and lse
+    int lq, lk;         // the block's problem's lengths: lq, lk, or its sequence's (packed)
+    long long q_start;  // packed: its sequence's first query row (0 otherwise): query i's row
+                        // in the contiguous (nbatch, lq) buffers (out, lse, ...) is
+                        // b * lq + q_start + i
+    long long slot;     // packed: the block's slot in per-query-tile partials, b * n_tiles + e
     long long i0;       // queries [i0, i_end) of this block
     long long i_end;
     long long diag;     // key facing query 0: q_offset - k_offset (|diag| <= 2^53)
@@ -128,7 +134,9 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk, long long diag
     r.i_end = r.i0 + kBlockM < lq ? r.i0 + kBlockM : lq;
     r.ob = r.b;
     r.lq = lq;
-    r.out0 = 0;  // unused: output_row derives the row from the grid
+    r.lk = lk;
+    r.q_start = 0;
+    r.slot = 0;     // unused: the partials' slot follows from b and the tile
     r.diag = diagonal_offset;
 
     r.key_end = lk;
@@ -161,10 +169,12 @@ __device__ __forceinline__ BlockRange varlen_block_range(int lq, const int* __re
     const long long e = blockIdx.x / nbatch;
     r.b = blockIdx.x - e * nbatch;
     const long long s = tiles[2 * e];
-    const long long* seq = seqs + 4 * s;  // q start, lq, lk, diagonal of sequence s
+    const long long* seq = seqs + kSeqCols * s;
     r.ob = s * nbatch + r.b;
     r.lq = int(seq[1]);
-    r.out0 = r.b * lq + seq[0];
+    r.lk = int(seq[2]);
+    r.q_start = seq[0];
+    r.slot = r.b * n_tiles + e;
     r.i0 = (long long)tiles[2 * e + 1] * kBlockM;
     r.i_end = r.i0 + kBlockM < r.lq ? r.i0 + kBlockM : r.lq;
     r.diag = seq[3];
@@ -200,7 +210,7 @@ template <int kBlockM>
 __device__ __forceinline__ long long output_row(const BlockRange& range, long long i, int lq) {
     const long long b = range.b;
     if constexpr (kVarlen) {
-        return range.out0 + i;
+        return b * lq + range.q_start + i;
     } else if constexpr (kSplit) {
         const long long nbatch = gridDim.x / ((lq + kBlockM - 1) / kBlockM);
         return ((long long)blockIdx.z * nbatch + b) * lq + i;

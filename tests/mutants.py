@@ -110,6 +110,13 @@ MUTANTS = {
         "const long long s = tiles[2 * e];",
         "const long long s = tiles[2 * (e > 0 ? e - 1 : e)];",
     ),
+    # Packed batches, backward: dK and dV written at the sequence's first query row instead of
+    # its first key row.
+    "varlen_bwd_key_rows": (
+        "attention_grads.cuh",
+        "r.k_start = seq[4];",
+        "r.k_start = seq[0];",
+    ),
 }
 
 

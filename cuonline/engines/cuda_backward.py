@@ -125,6 +125,8 @@ def _run(p, dout, out, lse, target):
     # per block in `slots` copies (query tiles sharing a block row write different ones), the
     # relative ones per query tile (drel_q: per row)
     tiles = -(-p.lq // plan.spec.block_r)
+    if plan.varlen is not None:
+        tiles = len(plan.varlen[0])   # a packed batch: a slot per dQ block of its table
     block = getattr(p, "bias_block", None)
     slots = 0
     if want_ds:
@@ -142,7 +144,7 @@ def _run(p, dout, out, lse, target):
               if rel_qk else None)
     row_sums = xp.empty((nb, p.lq), dtype=acc)
     args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums)
+                            row_sums, varlen=plan.varlen)
 
     module = target.module(plan.spec)
     # the family's two entry points, dK/dV then dQ

@@ -242,7 +242,8 @@ ATTENTION_BWD_SIGNATURE = (
     "row_sums", "offsets", "strides",
     "lq", "lk",
     "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
-    "bias_block_cols", "rel_bias_radius", "rel_k_radius",
+    "bias_block_cols", "rel_bias_radius", "rel_k_radius", "varlen_tiles", "varlen_key_tiles",
+    "varlen_seqs", "varlen_n_tiles", "varlen_n_key_tiles",
 )
 
 
@@ -254,7 +255,7 @@ class _NoSplit:
 
 
 def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums):
+                            row_sums, varlen=None):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
@@ -266,7 +267,10 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel
     ``drel_bias`` ``(nbatch, n_query_tiles, Rb)``, ``drel_q`` ``(nbatch, lq, Dr)`` and
     ``drel_k`` ``(nbatch, n_query_tiles, Rk, Dr)``, zero-filled, or None, ``row_sums``
     ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
-    accumulation dtype.
+    accumulation dtype. A packed batch: ``varlen`` is the plan's ``(TileTable, key tiles)``
+    (:func:`cuonline.kernels.varlen.tile_table`, :func:`cuonline.kernels.varlen.
+    key_tile_table`), the relative partials have a slot per dQ block (``n_query_tiles`` the
+    table's length).
     """
     xp = p.xp
     forward = dict(zip(ATTENTION_FWD_SIGNATURE,
@@ -282,5 +286,24 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel
                        axis=0))
     values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds,
                   drel_bias=drel_bias, drel_q=drel_q, drel_k=drel_k,
-                  row_sums=row_sums, offsets=offsets, strides=strides)
+                  row_sums=row_sums, offsets=offsets, strides=strides,
+                  varlen_key_tiles=None, varlen_n_key_tiles=np.int32(0))
+    if varlen is not None:
+        values.update(_varlen_bwd_values(xp, varlen, offsets, strides))
     return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)
+
+
+def _varlen_bwd_values(xp, tables, offsets, strides):
+    """A packed batch's backward arguments: the offset table with a row per (sequence, batch
+    element) (dout moved to the sequence's first query, as q and rel_q; k and v to its first
+    key), the dQ kernel's query tiles, the dK/dV kernel's key tiles and the sequences."""
+    table, key_tiles = tables
+    host = [x if xp is np else x.get() for x in (offsets, strides)]   # (nbatch, 9), (9, 2)
+    offsets = varlen.expand_offsets(*host, table, OPERANDS + ("dout",), ("q", "rel_q", "dout"),
+                                    ("k", "v"))
+    arrays = dict(offsets=offsets, varlen_tiles=table.tiles, varlen_key_tiles=key_tiles,
+                  varlen_seqs=table.seqs)
+    if xp is not np:
+        arrays = {name: xp.asarray(x) for name, x in arrays.items()}
+    return dict(arrays, varlen_n_tiles=np.int32(len(table)),
+                varlen_n_key_tiles=np.int32(key_tiles.shape[0]))

@@ -209,7 +209,7 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
     options (float64 D = 256 only where it fits), float32 D = 64 with Dv = 2 D and with each
     option alone, every option together (with either soft cap) for float32 and float16 at
     D = 64 and float64 at D = 128."""
-    names = features.BACKWARD_FEATURES
+    names = tuple(n for n in features.BACKWARD_FEATURES if n not in features.LAYOUT_FEATURES)
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for d in (32, 64, 128, 256):
@@ -220,7 +220,7 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
     for dtype, d in (("float32", 64), ("float16", 64), ("float64", 128)):
         for together in _together(names):
             specs.append(_bwd(dtype, d, d, arch=arch, features=together))
-    return specs
+    return specs + _bwd_varlen_listing(_bwd, names, arch)
 
 
 def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
@@ -242,7 +242,8 @@ def _bwd_mma_listing(arch: str = DEFAULT_ARCH) -> list:
     option together at float16 D = 64 and 128, TF32 D = 64 and float64 D = 64."""
     if not heuristics.mma_supported(arch):
         return []
-    names = features.MMA_BACKWARD_FEATURES
+    names = tuple(n for n in features.MMA_BACKWARD_FEATURES
+                  if n not in features.LAYOUT_FEATURES)
     specs = [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float16", "bfloat16")
              for d in (32, 64, 128)]
     specs += [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float32", "float64")
@@ -254,6 +255,21 @@ def _bwd_mma_listing(arch: str = DEFAULT_ARCH) -> list:
     for dtype, d in (("float16", 64), ("float16", 128), ("float32", 64), ("float64", 64)):
         for together in _together(names):
             specs.append(_bwd_mma(dtype, d, d, arch=arch, features=together))
+    return specs + _bwd_varlen_listing(_bwd_mma, names, arch)
+
+
+def _bwd_varlen_listing(make, names, arch) -> list:
+    """Packed batches (issue 20) on a backward family (``make``: :func:`_bwd` or
+    :func:`_bwd_mma`): float32 (SIMT) or float16 (tensor cores) D = 64 alone and causal, every
+    score option the family has at D = 64 (either soft cap where it has both) and float64
+    D = 64 with every option."""
+    score = tuple(n for n in names if n not in ("bias", "bias_block", "mask", "kv_lengths"))
+    first = "float32" if make is _bwd else "float16"
+    specs = [make(first, 64, 64, arch=arch, features=("varlen",)),
+             make(first, 64, 64, arch=arch, features=("window", "varlen"))]
+    for together in _together(score):
+        specs.append(make(first, 64, 64, arch=arch, features=together + ("varlen",)))
+    specs.append(make("float64", 64, 64, arch=arch, features=score + ("varlen",)))
     return specs
 
 

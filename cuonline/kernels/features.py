@@ -89,10 +89,10 @@ FEATURES = (
     Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",),
             backward_families=()),
     # a packed variable-length batch (cu_seqlens_q/k): a block -> (sequence, query tile) table
-    # and per-sequence lengths and diagonals (cuonline/kernels/varlen.py); no key split
+    # (the backward's dK/dV kernel: (sequence, key tile)) and per-sequence lengths, diagonals
+    # and first rows (cuonline/kernels/varlen.py); no key split
     Feature("varlen", lambda p: getattr(p, "cu_seqlens_q", None) is not None,
-            "CUONLINE_VARLEN", ("varlen_tiles", "varlen_seqs", "varlen_n_tiles"),
-            backward_families=()),
+            "CUONLINE_VARLEN", ("varlen_tiles", "varlen_seqs", "varlen_n_tiles")),
 )
 
 #: Rows that change the launch's layout rather than add a score term: listed in variants of

@@ -540,6 +540,9 @@ class BwdPlan:
     grid_dq: tuple           # nbatch * ceil(lq / block_r) blocks
     block: tuple
     shared_bytes: int
+    # a packed batch: (TileTable of the dQ blocks, (n, 2) key tiles of the dK/dV blocks)
+    # (cuonline.kernels.varlen), else None
+    varlen: object = None
 
 
 def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
@@ -560,15 +563,30 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
                                 dv=problem.dv, warps=warps, rows_per_warp=rows,
                                 items_per_lane=per, write_ds=write_ds, features=names, dr=dr)
-    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
-    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
+    return _bwd_plan(problem, spec)
+
+
+
+def _bwd_plan(problem, spec):
+    """The grids of a backward of ``spec``'s blocks (``block_r`` owned rows each): a block
+    per key tile (dK/dV) and per query tile (dQ) of every batch element or, for a packed
+    batch, of every sequence (:mod:`cuonline.kernels.varlen`'s tables)."""
+    tables = None
+    if getattr(problem, "cu_seqlens_q", None) is not None:
+        args = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.sequence_diagonals,
+                problem.window, spec.block_r)
+        tables = (varlen.tile_table(*args), varlen.key_tile_table(*args))
+        grid_dkdv = problem.nbatch * tables[1].shape[0]
+        grid_dq = problem.nbatch * len(tables[0])
+    else:
+        grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
+        grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
     if max(grid_dkdv, grid_dq) > MAX_GRID_X:
         raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
                          f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
                          f"batch")
     return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
-                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
-
+                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes, varlen=tables)
 
 def bwd_writes_ds(names) -> bool:
     """Whether a backward variant with features ``names`` writes dS per place: a plain bias,
@@ -656,11 +674,4 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,
                                block_c=block_c, cp_async=bool(cp_async), write_ds=write_ds,
                                features=names, dr=dr)
-    grid_dkdv = problem.nbatch * math.ceil(problem.lk / spec.block_r)
-    grid_dq = problem.nbatch * math.ceil(problem.lq / spec.block_r)
-    if max(grid_dkdv, grid_dq) > MAX_GRID_X:
-        raise ValueError(f"attention backward needs {max(grid_dkdv, grid_dq)} thread blocks, "
-                         f"more than CUDA's {MAX_GRID_X}; use backend='numpy' or split the "
-                         f"batch")
-    return BwdPlan(spec=spec, grid_dkdv=(grid_dkdv, 1, 1), grid_dq=(grid_dq, 1, 1),
-                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
+    return _bwd_plan(problem, spec)

@@ -18,30 +18,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TileTable", "expand_offsets", "sequence_table", "tile_table"]
+__all__ = ["SEQUENCE_COLUMNS", "TileTable", "expand_offsets", "key_tile_table",
+           "sequence_table", "tile_table"]
 
 #: Columns of :func:`sequence_table` (``varlen_seqs`` in the kernels).
-SEQUENCE_COLUMNS = ("q_start", "lq", "lk", "diagonal")
+SEQUENCE_COLUMNS = ("q_start", "lq", "lk", "diagonal", "k_start")
 
 
 @dataclass(frozen=True, eq=False)
 class TileTable:
     """The blocks of a packed batch (per batch element): ``tiles`` (n, 2) int32, each row
-    (sequence, query tile), heaviest first (``varlen_tiles`` in the kernels); ``seqs`` (B, 4)
-    int64, :data:`SEQUENCE_COLUMNS` per sequence (``varlen_seqs``); ``k_starts`` (B,) int64,
-    each sequence's first key row."""
+    (sequence, query tile), heaviest first (``varlen_tiles`` in the kernels); ``seqs`` (B, 5)
+    int64, :data:`SEQUENCE_COLUMNS` per sequence (``varlen_seqs``)."""
 
     tiles: np.ndarray
     seqs: np.ndarray
-    k_starts: np.ndarray
 
     def __len__(self) -> int:
         return int(self.tiles.shape[0])
 
 
 def sequence_table(cu_seqlens_q, cu_seqlens_k, diagonals) -> np.ndarray:
-    """(B, 4) int64: per sequence its first query row in the packed q, its query and key
-    lengths and its diagonal offset (the key facing its query 0)."""
+    """(B, 5) int64 (:data:`SEQUENCE_COLUMNS`): per sequence its first query row in the
+    packed q, its query and key lengths, its diagonal offset (the key facing its query 0) and
+    its first key row in the packed k."""
     cq = np.asarray(cu_seqlens_q, dtype=np.int64)
     ck = np.asarray(cu_seqlens_k, dtype=np.int64)
     seqs = np.empty((cq.shape[0] - 1, len(SEQUENCE_COLUMNS)), dtype=np.int64)
@@ -49,6 +49,7 @@ def sequence_table(cu_seqlens_q, cu_seqlens_k, diagonals) -> np.ndarray:
     seqs[:, 1] = np.diff(cq)
     seqs[:, 2] = np.diff(ck)
     seqs[:, 3] = np.asarray(diagonals, dtype=np.int64).reshape(-1)
+    seqs[:, 4] = ck[:-1]
     return seqs
 
 
@@ -76,8 +77,20 @@ def tile_table(cu_seqlens_q, cu_seqlens_k, diagonals, window, block_m) -> TileTa
     weight = (i1 - i0) * (np.maximum(j1 - j0, 0) + block_m)
     order = np.argsort(-weight, kind="stable")
     tiles = np.stack([seq[order], tile[order]], axis=1).astype(np.int32)
-    k_starts = np.asarray(cu_seqlens_k, dtype=np.int64)[:-1].copy()
-    return TileTable(np.ascontiguousarray(tiles), seqs, k_starts)
+    return TileTable(np.ascontiguousarray(tiles), seqs)
+
+
+def key_tile_table(cu_seqlens_q, cu_seqlens_k, diagonals, window, block) -> np.ndarray:
+    """The blocks of a backward's key-owned kernel (dK, dV): (n, 2) int32, every
+    ``block``-key tile of every sequence with keys as (sequence, key tile), the heaviest
+    first (``varlen_key_tiles``). Key j sees the queries ``i`` with ``j - diag - right <= i
+    <= j - diag + left``: :func:`tile_table` with the roles of queries and keys swapped
+    (diagonal negated, window sides exchanged). A sequence with keys but no queries has tiles
+    too: its blocks write the zero gradients of its keys."""
+    left, right = window
+    mirrored = tile_table(cu_seqlens_k, cu_seqlens_q, -np.asarray(diagonals, dtype=np.int64),
+                          (right, left), block)
+    return mirrored.tiles
 
 
 def expand_offsets(offsets, strides, table, operands, q_side, k_side) -> np.ndarray:
@@ -87,7 +100,7 @@ def expand_offsets(offsets, strides, table, operands, q_side, k_side) -> np.ndar
     ``k_side`` to its first key row (``strides`` (len(operands), 2) gives their row strides;
     ``table`` is the :class:`TileTable`)."""
     shift = np.zeros((table.seqs.shape[0], len(operands)), dtype=np.int64)
-    for names, starts in ((q_side, table.seqs[:, 0]), (k_side, table.k_starts)):
+    for names, starts in ((q_side, table.seqs[:, 0]), (k_side, table.seqs[:, 4])):
         for name in names:
             op = operands.index(name)
             shift[:, op] = starts * int(strides[op][0])
