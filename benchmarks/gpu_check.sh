@@ -48,3 +48,7 @@ cat "$out/gpu_bench.md"
 timeout 40 python benchmarks/gpu_bench.py --out "$out" --section genomics --repeat 3 2>&1 | tail -n 12
 timeout 40 python benchmarks/gpu_bench.py --out "$out" --section backward --repeat 3 --quick \
   2>&1 | tail -n 30
+# 4. packed variable-length batches (issue 20), at most 60 s: forward and backward of both
+#    families against the NumPy engine, then packed / padded / loop figures on ESM-2-like
+#    lengths (gpu_varlen.md: the 8th file in $OUT)
+timeout 60 python benchmarks/gpu_varlen.py --out "$out" 2>&1 | tail -n 30

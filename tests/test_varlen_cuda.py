@@ -338,3 +338,18 @@ def test_thread_sanitizer_on_packed_launches():
     # the SIMT forward, then the SIMT backward's two kernels
     check_races(_TSAN_SCRIPT.format(family=SIMT, bwd_family=BWD_SIMT), expect_race=False)
 
+
+
+@needs_emulation
+def test_the_gpu_check_script_runs_its_checks_emulated(tmp_path):
+    # benchmarks/gpu_varlen.py (gpu_check.sh's packed-batch rows) with its checks on the CPU
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_varlen.py"),
+                           "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (tmp_path / "gpu_varlen.md").read_text()
+    assert report.count("ok  ") == 4 and "FAIL" not in report
