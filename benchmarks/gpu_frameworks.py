@@ -6,7 +6,12 @@
   ran on another stream would read the stale zeros.
 * JAX (when jaxlib sees a GPU): ``jax.jit`` of ``cuonline.jax.attention``, its ``jax.grad``
   and ``jax.vmap``, with the inputs produced inside the same program just before the call
-  (XLA's stream orders them; a callback on another stream would race them).
+  (XLA's stream orders them; a callback on another stream would race them); layout="blhd"
+  (CuPy views of XLA's buffers with swapped strides).
+* Both: the CUDA engine's limits raised before anything runs (JAX: when the program is
+  traced; torch: before the operator), and packed batches (cu_seqlens): the same results as
+  on the host, or, while the CUDA engine has no varlen kernels, a clear ValueError at trace
+  time.
 
 Every result is compared with the NumPy engine on host copies. Prints one line per check and
 writes them to ``$OUT/gpu_frameworks.txt`` (or ``--out``); exit status 1 if a check failed.
@@ -35,13 +40,22 @@ LINES: list[str] = []
 #: "gpu"; "cpu" for --cpu-dry-run, which runs the same checks on the host (the script's own test)
 DEVICE = "gpu"
 FAILED: list[str] = []
+#: the report file, rewritten after every line: a run cut off by gpu_check.sh's timeout still
+#: leaves the checks it finished
+REPORT: Path | None = None
+
+
+def log(line: str) -> None:
+    LINES.append(line)
+    print(line, flush=True)
+    if REPORT is not None:
+        REPORT.write_text("\n".join(LINES) + "\n", encoding="utf-8")
 
 
 def report(name: str, error: float | None, tol: float, note: str = "") -> None:
     ok = error is not None and error <= tol
-    line = f"{'ok  ' if ok else 'FAIL'} {name}: max error {error:.3g} (tol {tol:g}) {note}"
-    LINES.append(line)
-    print(line, flush=True)
+    shown = "none" if error is None else f"{error:.3g}"
+    log(f"{'ok  ' if ok else 'FAIL'} {name}: max error {shown} (tol {tol:g}) {note}")
     if not ok:
         FAILED.append(name)
 
@@ -51,8 +65,7 @@ def check(name: str, function) -> None:
     try:
         function()
     except Exception:  # noqa: BLE001 - every check reports, whatever fails
-        LINES.append(f"FAIL {name}: raised\n{traceback.format_exc()}")
-        print(LINES[-1], flush=True)
+        log(f"FAIL {name}: raised\n{traceback.format_exc()}")
         FAILED.append(name)
     print(f"     {name}: {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -67,6 +80,29 @@ def case(seed: int, dtype):
               "rel_q": rng.standard_normal((2, 4, 300, 8)) * 0.1,
               "rel_k": rng.standard_normal((1401, 8)) * 0.1}
     return {n: x.astype(dtype) for n, x in arrays.items()}
+
+
+def refused(name: str, call, error: type, pattern: str) -> None:
+    """Report whether ``call()`` raises ``error`` whose message contains ``pattern``."""
+    try:
+        call()
+    except error as exc:
+        ok = pattern in str(exc)
+        report(name, 0.0 if ok else None, 0.0, f"({type(exc).__name__}: {str(exc)[:90]})")
+        return
+    report(name, None, 0.0, f"(no {error.__name__} raised)")
+
+
+def packed_or_refused(name: str, run, want) -> None:
+    """A packed batch on the device: ``run()`` matches ``want`` (NumPy engine on host copies),
+    or is refused with the ValueError that says the CUDA engine has no varlen kernels yet."""
+    try:
+        got = run()
+    except ValueError as exc:
+        ok = "NumPy engine only" in str(exc)
+        report(name, 0.0 if ok else None, 0.0, f"(refused: {str(exc)[:80]})")
+        return
+    report(name, float(abs(np.asarray(got) - want).max()), 1e-10)
 
 
 def host_reference(arrays, weight, **options):
@@ -129,6 +165,22 @@ def torch_checks(dtype, tol) -> None:
         scale = max(1.0, float(want.abs().max()))
         report(f"{name} d{n} (lse term included)",
                float((x.grad.cpu() - want).abs().max()) / scale, tol, "(relative)")
+    if dtype != np.float64:
+        return
+    device = "cuda" if on_gpu else "cpu"
+    # the engine's limits before the operator runs (on the host dry run: the emulated engine)
+    backend = "auto" if on_gpu else "emulate"
+    wide = torch.zeros(3, 5, 300, dtype=torch.float64, device=device)
+    refused(f"torch {device} D = 300 refused before running",
+            lambda: cuonline.torch.attention(wide, wide, wide, backend=backend), ValueError,
+            "supports head dimensions up to")
+    packed = {n: torch.from_numpy(x).to(device) for n, x in arrays.items() if n in "qkv"}
+    boundaries = {"cu_seqlens_q": [0, 100, 100, 300], "cu_seqlens_k": [0, 150, 390, 400]}
+    packed_or_refused(f"torch {device} packed batch",
+                      lambda: cuonline.torch.attention(**packed, causal=True,
+                                                       **boundaries).cpu().numpy(),
+                      cuonline.attention(*(arrays[n] for n in "qkv"), causal=True,
+                                         **boundaries))
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +231,32 @@ def jax_checks(dtype, tol) -> None:
     report(f"jax {np.dtype(dtype).name} jit(vmap)", float(abs(np.asarray(mapped[1]) - want).max()),
            tol)
 
+    # layout="blhd": XLA's buffers read through swapped strides in the callback
+    def blhd(q, k, v):
+        return cuonline.jax.attention(*(x.swapaxes(-3, -2) for x in (q, k, v)), causal=True,
+                                      layout="blhd").swapaxes(-3, -2)
+
+    got = jax.jit(jax.grad(lambda q, k, v: (blhd(q, k, v) * weight).sum(), argnums=(0, 1, 2)))(
+        *(dev[n] for n in "qkv"))
+    _, _, g_plain = host_reference({n: arrays[n] for n in "qkv"}, weight, causal=True)
+    for x, field in zip(got, ("dq", "dk", "dv")):
+        want = getattr(g_plain, field)
+        report(f"jax {np.dtype(dtype).name} blhd jit(grad) {field}",
+               float(abs(np.asarray(x) - want).max()) / max(1.0, float(abs(want).max())), tol,
+               "(relative)")
+    if dtype == np.float64:
+        backend = "auto" if DEVICE == "gpu" else "emulate"
+        wide = jnp.zeros((3, 5, 300), dtype=jnp.float64, device=jax.devices(DEVICE)[0])
+        refused(f"jax {DEVICE} D = 300 refused when traced",
+                lambda: jax.jit(lambda q: cuonline.jax.attention(q, q, q, backend=backend)).lower(
+                    wide), ValueError, "supports head dimensions up to")
+        boundaries = {"cu_seqlens_q": [0, 100, 100, 300], "cu_seqlens_k": [0, 150, 390, 400]}
+        packed_or_refused(
+            f"jax {DEVICE} packed batch",
+            lambda: jax.jit(lambda q, k, v: cuonline.jax.attention(
+                q, k, v, causal=True, **boundaries))(*(dev[n] for n in "qkv")),
+            cuonline.attention(*(arrays[n] for n in "qkv"), causal=True, **boundaries))
+
     # plain cuonline.attention on JAX GPU arrays: DLPack in and out, JAX arrays back
     plain = cuonline.attention(dev["q"], dev["k"], dev["v"], causal=True)
     report(f"jax {np.dtype(dtype).name} plain cuonline.attention on GPU arrays",
@@ -193,8 +271,11 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the checks on the CPU (tests the script without a GPU)")
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, REPORT
     DEVICE = "cpu" if args.cpu_dry_run else "gpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    REPORT = out / "gpu_frameworks.txt"
     try:
         import torch
         has_torch = torch.cuda.is_available() or args.cpu_dry_run
@@ -204,21 +285,16 @@ def main() -> int:
         check("torch float32", lambda: torch_checks(np.float32, 2e-4))
         check("torch float64", lambda: torch_checks(np.float64, 1e-10))
     else:
-        LINES.append("skip torch: no CUDA build of torch here")
-        print(LINES[-1])
+        log("skip torch: no CUDA build of torch here")
     try:
         import jax
         has_jax = bool(jax.devices(DEVICE))
     except Exception as exc:  # noqa: BLE001 - no jaxlib, or one without a GPU backend
         has_jax = False
-        LINES.append(f"skip jax: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-        print(LINES[-1])
+        log(f"skip jax: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
     if has_jax:
         check("jax float32", lambda: jax_checks(np.float32, 2e-4))
         check("jax float64", lambda: jax_checks(np.float64, 1e-10))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_frameworks.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
     print(f"{len(FAILED)} failed: {FAILED}" if FAILED else "all framework checks passed")
     return 1 if FAILED else 0
 

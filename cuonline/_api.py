@@ -162,7 +162,8 @@ def attention(
         sequence. Empty sequences on either side are allowed. Any integer dtype and array
         library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
         `mask`, `bias_block` or `kv_lengths`; the NumPy and CUDA engines run them, forward
-        and backward (docs/semantics.md, "Packed variable-length batches").
+        and backward, Dask arrays of NumPy chunks included (docs/semantics.md, "Packed
+        variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -200,7 +201,8 @@ def attention(
         Non-floating or mismatched dtypes of `q`, `k`, `v`, a non-floating `bias`,
         `rel_bias`, `rel_q` or `rel_k`, a non-boolean `mask`, arrays from different
         libraries, a `backend` that does not take the inputs' library, a `workers` that
-        is not an int or None, or offsets or `bias_block` sizes that are not ints.
+        is not an int or None, offsets or `bias_block` sizes that are not ints, or a Dask
+        `cu_seqlens_q`/`cu_seqlens_k` (boundaries shape the graph: compute them first).
     ValueError
         Shapes that do not agree or broadcast, a negative window side or `kv_lengths`, a
         `scale` or `softcap` that is not finite (or ``softcap <= 0``), ``softcap_bias=True``
@@ -210,8 +212,8 @@ def attention(
         inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
         `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
         packed length, of different counts, one without the other; a non-integer one is a
-        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with Dask
-        arrays.
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`. Dask arrays
+        take packed batches chunked anywhere along the length axis (docs/scale.md).
 
     See Also
     --------
@@ -512,8 +514,10 @@ def attention_stats(
     SCORE_OPTIONS
         As :func:`attention`: the statistics are those of the ``P`` that attention applies
         with these options.
-        `cu_seqlens_q` and `cu_seqlens_k` are not taken yet (a ValueError: split the
-        arrays with :func:`unpack` and call per sequence).
+        With `cu_seqlens_q` and `cu_seqlens_k` (a packed batch) the row statistics are
+        packed like the queries, ``S + (total_q,)``, with key indices of the packed keys;
+        `received` like the keys, ``S + (total_k,)``; `weights` ``S + (len(rows),
+        total_k)``, 0 outside each row's sequence; on Dask arrays too.
     entropy : bool, optional
         Compute the entropy of each row of ``P``. Default True.
     received : bool, optional
@@ -524,14 +528,16 @@ def attention_stats(
         ``received=True``; finite.
     top_k : int, optional
         The number of keys with the largest weights to return per query. Default 0 (none).
-        May exceed the keys a query sees: the rest are -1 with weight 0.
+        May exceed the keys a query sees: the rest are -1 with weight 0. At most 32 on the
+        CUDA engine.
     rows : 1-D int array, optional
         Query indices (negative ones count from the end) whose full rows of ``P`` are
         returned, exactly; memory ``S + (len(rows), Lk)``.
-    backend : {"auto", "numpy"}, optional
-        The statistics run on the NumPy engine. The CUDA statistics kernels are not yet
-        available: CuPy inputs, ``backend="cupy"`` and ``backend="emulate"`` raise a
-        ValueError (convert with ``cupy.asnumpy``).
+    backend : {"auto", "numpy", "cupy", "emulate"}, optional
+        As :func:`attention`: ``"auto"`` runs NumPy arrays on the NumPy engine and CuPy
+        arrays on the CUDA engine (the kernels of ``kernels_cu/attention_stats.cu``);
+        ``"emulate"`` runs those kernels on the CPU (tests). Dask arrays run the NumPy engine
+        on each chunk.
     workers : int, optional
         Threads, as in :func:`attention`. Results are the same for every `workers`.
 
@@ -553,8 +559,7 @@ def attention_stats(
     ValueError
         As :func:`attention`; also ``top_k < 0``, `query_weights` that do not broadcast to
         ``S + (Lq,)``, are not finite or come without ``received=True``, `rows` that are not
-        1-D or hold an index outside ``[-Lq, Lq)``, and CuPy inputs or the ``"cupy"`` and
-        ``"emulate"`` backends (no CUDA statistics kernels yet).
+        1-D or hold an index outside ``[-Lq, Lq)``, and ``top_k > 32`` on the CUDA engine.
 
     See Also
     --------
@@ -576,7 +581,9 @@ def attention_stats(
     ``received`` is a second, key-owned pass: each block of keys adds
     :math:`w^\top P` of the query blocks in a fixed order, with :math:`P` recomputed from
     ``lse`` (deterministic for any `workers`); `rows` recompute their rows of :math:`P`
-    from ``lse``. Memory is a few tiles per thread plus the results.
+    from ``lse``. Memory is a few tiles per thread plus the results. The CUDA engine runs
+    the same passes as three kernels (docs/kernels.md, "The statistics kernels"); its top-k
+    is a sorted list of at most 32 entries held one per lane of a warp.
 
     Examples
     --------
@@ -605,7 +612,13 @@ def attention_stats(
     sp = _validate.validate_attention_stats(q, k, options, entropy=entropy, received=received,
                                             query_weights=query_weights, top_k=top_k,
                                             rows=rows)
-    engine = importlib.import_module("cuonline.engines.numpy_stats")
+    if sp.scores.cu_seqlens_q is not None:
+        name = _VARLEN_ENGINE               # packed batches (validation keeps them off CUDA)
+    elif sp.scores.backend in _CUDA_BACKENDS:
+        name = "cuda_stats"
+    else:
+        name = "numpy_stats"
+    engine = importlib.import_module("cuonline.engines." + name)
     return AttentionStats(**engine.attention_stats(sp))
 
 

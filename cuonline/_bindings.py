@@ -18,7 +18,8 @@ from ._api import attention_backward
 from ._gradients import Gradients
 
 __all__ = ["LAYOUTS", "Shapes", "attention_backward_with_lse", "check_static", "differentiable",
-           "heads_after_length", "shapes", "stand_in", "trailing_rank"]
+           "gradient_field", "heads_after_length", "shapes", "stand_in",
+           "swap_length_heads", "tensor_options", "trailing_rank"]
 
 #: ``layout=`` of the bindings: "bhld", cuonline's (..., heads, length, dim); "blhd",
 #: (batch, length, heads, dim) as jax.nn.dot_product_attention, flax and FlashAttention take
@@ -57,6 +58,12 @@ def differentiable(names) -> tuple[str, ...]:
     return tuple(n for n in names if n in ("q", "k", "v") or n in grads)
 
 
+def tensor_options(options: _options.Options) -> dict[str, Any]:
+    """The array options given that travel as the framework's arrays (every array option but
+    the sequence boundaries, which are host values the program is built from), by name."""
+    return {n: x for n, x in options.arrays().items() if n not in _validate.CU_SEQLENS}
+
+
 def gradient_field(name: str) -> str:
     """The field of :class:`cuonline.Gradients` holding the gradient of ``name``."""
     return {"q": "dq", "k": "dk", "v": "dv"}.get(name) or _options.differentiable_options()[name]
@@ -77,11 +84,32 @@ def check_static(options: _options.Options, framework: str, is_traced) -> None:
                             f"{type(value).__name__}; pass it as a static argument")
 
 
-def stand_in(shape, dtype) -> np.ndarray:
-    """A read-only NumPy array of ``shape`` and ``dtype`` that holds one element: what
-    validation needs of an array whose values are not known (a tracer, a fake tensor)."""
-    return np.broadcast_to(np.zeros((), dtype=_arrays.numpy_dtype(dtype)),
-                           tuple(int(n) for n in shape))
+def stand_in(shape, dtype, device: tuple[str, int] = ("cpu", 0)) -> Any:
+    """A read-only array of ``shape`` and ``dtype`` that holds one element: what validation
+    needs of an array whose values are not known (a tracer, a fake tensor). On ``("cuda",
+    n)`` it is a CuPy array on GPU ``n`` (one element of memory), so that validation applies
+    the CUDA engine's limits, as the call will; NumPy otherwise."""
+    dtype = _arrays.numpy_dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    if device[0] != "cuda":
+        return np.broadcast_to(np.zeros((), dtype=dtype), shape)
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(f"cuonline runs CUDA arrays on its CUDA kernels through CuPy, which "
+                          f"does not import here ({exc}); install cuonline[cuda13] or "
+                          f"cuonline[cuda12]") from None
+    with cupy.cuda.Device(device[1]):
+        # raw bytes viewed as the dtype: CuPy need not know ml_dtypes' bfloat16 to hold it
+        one = cupy.zeros((1,), dtype=np.dtype(f"u{dtype.itemsize}")).view(dtype)
+        return cupy.broadcast_to(one.reshape(()), shape)
+
+
+def swap_length_heads(shape: tuple) -> tuple:
+    """``shape`` with its third and second last axes swapped: a layout="blhd" shape (...,
+    length, heads, dim) as cuonline reads it, (..., heads, length, dim), and back."""
+    shape = tuple(shape)
+    return shape[:-3] + (shape[-2], shape[-3], shape[-1])
 
 
 @dataclass(frozen=True)
@@ -104,16 +132,17 @@ class Shapes:
         return self.batch + (self.lq,)
 
 
-def shapes(arrays: Mapping[str, Any], options: _options.Options) -> Shapes:
+def shapes(arrays: Mapping[str, Any], options: _options.Options,
+           device: tuple[str, int] = ("cpu", 0)) -> Shapes:
     """Validate an attention call whose arrays are known by shape and dtype only (``arrays``:
     name -> an object with ``shape`` and ``dtype``, for q, k, v and the array options given)
-    and return the shapes of its results. Raises the ValueError/TypeError the same call on
-    NumPy arrays raises."""
-    stand_ins = {n: stand_in(x.shape, x.dtype) for n, x in arrays.items()}
-    engine = "numpy" if options.backend in ("auto", "cupy") else options.backend
+    on ``device`` (``("cpu", 0)``, or ``("cuda", n)``, where the CUDA engine's limits
+    apply), and return the shapes of its results. Raises the ValueError/TypeError the same
+    call on NumPy (CuPy) arrays raises, before anything runs."""
+    stand_ins = {n: stand_in(x.shape, x.dtype, device) for n, x in arrays.items()}
     p = _validate.validate_attention(
         stand_ins.pop("q"), stand_ins.pop("k"), stand_ins.pop("v"),
-        options.replace(backend=engine, **stand_ins), return_lse=True)
+        options.replace(**stand_ins), return_lse=True)
     return Shapes(batch=p.batch_shape, lq=p.lq, dv=p.dv, dtype=p.dtype, acc_dtype=p.acc_dtype)
 
 
@@ -134,7 +163,7 @@ def attention_backward_with_lse(dout, dlse, q, k, v, out, lse, **options: Any) -
     dtype = np.dtype(q.dtype)
     column = xp.asarray(-dlse).astype(dtype)[..., None]
     zeros = xp.broadcast_to(xp.zeros((), dtype=dtype), tuple(v.shape[:-1]) + (1,))
-    ones = xp.broadcast_to(xp.ones((), dtype=dtype), tuple(column.shape))
+    ones = xp.broadcast_to(xp.ones((), dtype=dtype), tuple(out.shape[:-1]) + (1,))
     gl = attention_backward(column, q, k, zeros, ones, lse, **options)
 
     def total(field):

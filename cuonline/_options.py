@@ -65,7 +65,7 @@ class Options:
     rel_q: Any = _array(("q", "whole"), grad="drel_q")
     rel_k: Any = _array(("whole", "whole"), grad="drel_k")
     # packed variable-length batches (FlashAttention's cu_seqlens): 1-D sequence boundaries,
-    # one chunk (the Dask engine refuses them)
+    # read on the host (the Dask engine plans its graph from their values)
     cu_seqlens_q: Any = _array(("whole",))
     cu_seqlens_k: Any = _array(("whole",))
     precision: Any = _option("engine", "highest")

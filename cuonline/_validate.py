@@ -20,6 +20,7 @@ from ._options import Options, array_layout, differentiable_options, names
 from .kernels import heuristics as _heuristics
 from .kernels.arguments import MAX_REL_RADIUS as _CUDA_MAX_REL_RADIUS
 from .kernels.specs import MAX_HEAD_DIM as _CUDA_MAX_HEAD_DIM
+from .kernels.specs import STATS_MAX_TOP_K as _CUDA_STATS_MAX_TOP_K
 
 __all__ = [
     "BACKENDS", "Problem", "SoftmaxProblem", "StatsProblem", "array_namespace", "check_backend",
@@ -935,11 +936,6 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
     to ``S + (Lq,)`` given only with ``received=True``, `top_k` an int >= 0, `rows` a 1-D
     integer array of query indices in ``[-Lq, Lq)`` (negative ones count from the end).
     """
-    given = [n for n in CU_SEQLENS if getattr(options, n) is not None]
-    if given:
-        raise ValueError(
-            f"attention_stats does not yet take packed batches (got {', '.join(given)}): "
-            f"split the arrays with cuonline.unpack and call it per sequence")
     xp = array_namespace(q=q, k=k, query_weights=query_weights, rows=rows, **options.arrays())
     k_array = _as_array(xp, k, "k")
     # the statistics depend on the scores only: a zero-width v passes attention's checks of
@@ -953,18 +949,16 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
                         f"and {_native_dtype(k_array.dtype)}; convert them first, e.g. "
                         f"k.astype(q.dtype)")
     p = validate_attention(q_array, k_array, v, options, return_lse=True)
-    if p.backend in _CUDA_BACKENDS:
-        raise ValueError(
-            f"attention_stats runs on the NumPy engine only: the CUDA statistics kernels are "
-            f"not yet available (backend={p.backend!r}); pass NumPy arrays (cupy.asnumpy) "
-            f"with backend='auto' or 'numpy'"
-        )
     entropy = _check_bool(entropy, "entropy")
     received = _check_bool(received, "received")
     if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"`top_k` must be an int >= 0, got {type(top_k).__name__} {top_k!r}")
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {int(top_k)}")
+    if p.backend in _CUDA_BACKENDS and int(top_k) > _CUDA_STATS_MAX_TOP_K:
+        raise ValueError(f"`top_k` must be at most {_CUDA_STATS_MAX_TOP_K} on the CUDA engine "
+                         f"(backend={p.backend!r}: one key per lane of a warp), got {int(top_k)}; "
+                         f"use backend='numpy' (NumPy arrays) for more")
     if query_weights is not None:
         if not received:
             raise ValueError("`query_weights` weighs the queries in the attention `received` "

@@ -14,7 +14,7 @@ import numpy as np
 from . import _arrays
 from ._validate import check_cu_seqlens
 
-__all__ = ["pack", "refuse_in_binding", "unpack"]
+__all__ = ["host_boundaries", "pack", "unpack"]
 
 
 def _axis(axis: Any, ndim: int, what: str) -> int:
@@ -134,13 +134,42 @@ def unpack(packed: Any, cu_seqlens: Any, *, axis: int = -2) -> list:
     return [packed[lead + (slice(int(a), int(b)),)] for a, b in zip(cu[:-1], cu[1:])]
 
 
-def refuse_in_binding(options: Any, framework: str) -> None:
-    """ValueError for a packed batch given to a framework binding (``cuonline.torch``,
-    ``cuonline.jax``): their traced programs need the boundaries' values when built, which
-    they do not have yet."""
-    given = [n for n in ("cu_seqlens_q", "cu_seqlens_k") if getattr(options, n) is not None]
-    if given:
-        raise ValueError(
-            f"the {framework} binding does not yet take packed batches ({', '.join(given)} "
-            f"given): call cuonline.attention on the arrays (it takes {framework} arrays and "
-            f"answers in kind, without gradients), or pad the batch")
+def host_boundaries(options: Any, framework: str, is_traced: Any) -> Any:
+    """``options`` with `cu_seqlens_q` and `cu_seqlens_k` as nested tuples of Python values
+    read on the host, for a framework binding (``cuonline.torch``, ``cuonline.jax``): the
+    boundaries decide how much work each sequence is and the shapes of the work, so a traced
+    program needs their values when it is built. A traced value of the framework
+    (``is_traced(value)``) is a TypeError naming the argument; everything else (NumPy,
+    lists, torch tensors, JAX arrays outside a trace) is read here and checked by
+    validation, as :func:`cuonline.attention` checks it."""
+    changes = {}
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        value = getattr(options, name)
+        if value is None:
+            continue
+        if is_traced(value):
+            raise TypeError(
+                f"`{name}` is a traced {framework} value, but the sequence boundaries decide "
+                f"the shape of the work, so they must be known when the program is built: "
+                f"pass a NumPy array or a list (closed over, or a static argument as a tuple), "
+                f"not an argument of the traced function")
+        if isinstance(value, (list, tuple)):
+            changes[name] = _nested_tuple(value)   # as given (torch.compile traces this)
+            continue
+        if _arrays.library(value) not in (None, "numpy"):
+            value = value.tolist()         # torch, JAX, CuPy: read on the host
+        try:
+            host = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"`{name}` must be a 1-D integer array of sequence boundaries, "
+                            f"got {type(value).__name__}: {exc}") from None
+        changes[name] = _nested_tuple(host.tolist())
+    return options.replace(**changes) if changes else options
+
+
+def _nested_tuple(x: Any) -> Any:
+    """Lists and tuples as tuples, NumPy scalars as Python values: hashable, and written
+    back by their repr. Booleans and floats stay what they are, for validation to refuse."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_nested_tuple(e) for e in x)
+    return x.item() if isinstance(x, np.generic) else x

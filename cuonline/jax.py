@@ -3,12 +3,12 @@
 
 ``import cuonline.jax`` imports JAX (``import cuonline`` does not). The call is checked when
 the program is traced, by the validation of :func:`cuonline.attention` on stand-ins of the
-arrays' shapes and dtypes, so shape and dtype errors are raised at trace time with the same
-messages. The program runs cuonline's engines through
-``jax.experimental.buffer_callback``: on the CPU the NumPy engine reads NumPy views of XLA's
-input buffers (no copy) and its results are written into XLA's output buffers; on a CUDA
-device cuonline's kernels run on XLA's stream (``cupy.cuda.ExternalStream``) on CuPy views
-of the buffers. Gradients come from a ``jax.custom_vjp`` whose backward is
+arrays' shapes and dtypes for the device the program runs on (CuPy stand-ins on a GPU, so
+the CUDA engine's limits too), so errors are raised at trace time with the same messages.
+The program runs cuonline's engines through ``jax.experimental.buffer_callback``: on the
+CPU the NumPy engine reads NumPy views of XLA's input buffers (no copy) and its results are
+written into XLA's output buffers; on a CUDA device cuonline's kernels run on XLA's stream
+(``cupy.cuda.ExternalStream``) on CuPy views of the buffers. Gradients come from a ``jax.custom_vjp`` whose backward is
 :func:`cuonline.attention_backward` with the residuals ``(out, lse)``; ``jax.vmap`` turns each
 mapped axis into a leading batch axis of one cuonline call (a ``custom_vmap`` rule), so a
 vmapped call is one launch, not a loop. See docs/frameworks.md.
@@ -52,10 +52,40 @@ class _Call:
     dv: int
     dtype: np.dtype
     acc_dtype: np.dtype
+    #: layout="blhd": q, k, v, out (and their gradients) are (..., length, heads, dim) in
+    #: XLA's buffers, read heads first through swapped strides inside the callback
+    blhd: bool = False
 
     def mapped(self, axis_size: int) -> _Call:
         """The call with one more mapped axis in front of the batch."""
         return dataclasses.replace(self, batch=(axis_size,) + self.batch)
+
+    @property
+    def out_shape(self) -> tuple:
+        shape = self.batch + (self.lq, self.dv)
+        return _bindings.swap_length_heads(shape) if self.blhd else shape
+
+    def heads_first(self, name: str, x: Any) -> Any:
+        """A view of buffer ``x`` of argument ``name`` as cuonline reads it: q, k, v, out,
+        dout and their gradients with the length and heads axes swapped under "blhd" (a
+        strided view, no copy)."""
+        return x.swapaxes(-3, -2) if self.blhd and name in _LAID_OUT else x
+
+
+#: the arrays whose axes ``layout=`` names
+_LAID_OUT = ("q", "k", "v", "out", "dout")
+
+
+def _device(arrays: dict) -> tuple[str, int]:
+    """The device the call will run on, as validation needs it when the program is traced:
+    that of an array that is not traced, else the first device of JAX's default backend
+    (the one ``jax.jit`` places a program on unless told otherwise)."""
+    concrete = [x for x in arrays.values() if not _is_traced(x)]
+    device = next(iter(concrete[0].devices())) if concrete else jax.devices()[0]
+    if device.platform in ("gpu", "cuda"):
+        hardware_id = getattr(device, "local_hardware_id", None)   # CuPy's device number
+        return "cuda", int(device.id if hardware_id is None else hardware_id)
+    return "cpu", 0
 
 
 def _bits(x: Array) -> Array:
@@ -102,7 +132,7 @@ def _forward(call: _Call, arrays: dict) -> tuple[Array, Array]:
 
     @custom_vmap
     def run(arrays):
-        out_type = jax.ShapeDtypeStruct(call.batch + (call.lq, call.dv), _bits_dtype(call.dtype))
+        out_type = jax.ShapeDtypeStruct(call.out_shape, _bits_dtype(call.dtype))
         lse_type = jax.ShapeDtypeStruct(call.batch + (call.lq,), call.acc_dtype)
         dtypes = {n: x.dtype for n, x in arrays.items()}
         callback = functools.partial(_run_forward, call, dtypes)
@@ -124,14 +154,14 @@ def _forward(call: _Call, arrays: dict) -> tuple[Array, Array]:
 def _run_forward(call: _Call, dtypes: dict, ctx, results, arrays) -> None:
     out_buffer, lse_buffer = results
     with _running(ctx, arrays["q"]):
-        views = {n: _view(b, dtypes[n]) for n, b in arrays.items()}
+        views = {n: call.heads_first(n, _view(b, dtypes[n])) for n, b in arrays.items()}
         q, k, v = views.pop("q"), views.pop("k"), views.pop("v")
         xp = _validate.array_namespace(q=q)
         # the batch shape includes mapped axes that q, k and v may not carry
         q = xp.broadcast_to(q, call.batch + q.shape[-2:])
         out, lse = _cuonline_attention(q, k, v, return_lse=True,
                                        **call.statics.replace(**views).asdict())
-        xp.copyto(_view(out_buffer, call.dtype), out)
+        xp.copyto(call.heads_first("out", _view(out_buffer, call.dtype)), out)
         xp.copyto(_view(lse_buffer, call.acc_dtype), lse)
 
 
@@ -178,18 +208,20 @@ def _run_backward(call: _Call, grad_shapes: dict, grad_dtypes: dict, dtypes: dic
                   arrays, residuals) -> None:
     with _running(ctx, arrays["q"]):
         views = {n: _view(b, dtypes[n]) for n, b in arrays.items()}
-        res = {n: _view(b, dtypes[n]) for n, b in residuals.items()}
+        res = {n: call.heads_first(n, _view(b, dtypes[n])) for n, b in residuals.items()}
         xp = _validate.array_namespace(q=views["q"])
         for n in results:
             # read through the gradient's shape, so that cuonline sums the gradient over the
             # axes the argument was broadcast along and over no mapped axis
             views[n] = xp.broadcast_to(views[n], grad_shapes[n])
+        views = {n: call.heads_first(n, x) for n, x in views.items()}
         q, k, v = views.pop("q"), views.pop("k"), views.pop("v")
         g = _bindings.attention_backward_with_lse(
             res["dout"], res.get("dlse"), q, k, v, res["out"], res["lse"],
             **call.statics.replace(**views).asdict())
         for n, buffer in results.items():
-            xp.copyto(_view(buffer, grad_dtypes[n]), getattr(g, _bindings.gradient_field(n)))
+            xp.copyto(call.heads_first(n, _view(buffer, grad_dtypes[n])),
+                      getattr(g, _bindings.gradient_field(n)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,12 +254,15 @@ def attention(
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are JAX values (traced or not);
         every other option must be a Python value known when the program is traced (it
-        picks the kernel): a traced one is a TypeError.
+        picks the kernel): a traced one is a TypeError. `cu_seqlens_q` and `cu_seqlens_k`
+        (a packed batch; gradients come packed like their inputs) are host values the
+        program is built from: NumPy arrays, lists, or JAX arrays that are not traced; a
+        traced one is a TypeError naming it.
     layout : {"bhld", "blhd"}, optional
         The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
-        "blhd", (batch, length, heads, dim), where XLA transposes q, k, v and out around the
-        call (a copy each; torch reads such arrays through their strides). The array options
-        keep their layout, e.g. `bias` of shape (B, H, Lq, Lk) as ``jax.nn`` takes it.
+        "blhd", (batch, length, heads, dim), read through swapped strides inside the
+        callback (no transpose, no copy). The array options keep their layout, e.g. `bias`
+        of shape (B, H, Lq, Lk) as ``jax.nn`` takes it.
 
     Returns
     -------
@@ -257,21 +292,20 @@ def attention(
     ((2, 40, 16), dtype('float32'))
     """
     options = _options.from_call(locals())
-    _varlen.refuse_in_binding(options, "JAX")
     _bindings.check_static(options, "JAX", _is_traced)
-    if _bindings.heads_after_length(layout, q, k, v):
-        result: Any = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
-                                return_lse=return_lse, **options.asdict())
-        if return_lse:
-            return jnp.swapaxes(result[0], 1, 2), result[1]
-        return jnp.swapaxes(result, 1, 2)
+    options = _varlen.host_boundaries(options, "JAX", _is_traced)
+    blhd = _bindings.heads_after_length(layout, q, k, v)
     if isinstance(return_lse, jax.core.Tracer):
         raise TypeError("`return_lse` must be a Python bool known when the program is traced")
-    arrays = {n: jnp.asarray(x) for n, x in {"q": q, "k": k, "v": v, **options.arrays()}.items()}
-    statics = options.replace(**{n: None for n in options.arrays()})
-    shapes = _bindings.shapes(arrays, statics)
+    given = _bindings.tensor_options(options)
+    arrays = {n: jnp.asarray(x) for n, x in {"q": q, "k": k, "v": v, **given}.items()}
+    statics = options.replace(**{n: None for n in given})
+    # validated heads first, as the callback reads them, for the device the program runs on
+    described = {n: jax.ShapeDtypeStruct(_bindings.swap_length_heads(x.shape), x.dtype)
+                 if blhd and n in _LAID_OUT else x for n, x in arrays.items()}
+    shapes = _bindings.shapes(described, statics, _device(arrays))
     call = _Call(statics=statics, batch=shapes.batch, lq=shapes.lq, dv=shapes.dv,
-                 dtype=shapes.dtype, acc_dtype=shapes.acc_dtype)
+                 dtype=shapes.dtype, acc_dtype=shapes.acc_dtype, blhd=blhd)
     with_lse = bool(return_lse)
 
     @jax.custom_vjp

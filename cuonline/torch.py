@@ -20,17 +20,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _arrays, _bindings, _options, _varlen
+from . import _arrays, _bindings, _options, _validate, _varlen
 from ._api import attention as _cuonline_attention
 
 __all__ = ["attention"]
 
 Tensor = torch.Tensor
+#: the array options that are tensors of the operators: all but the sequence boundaries, host
+#: values that shape the work (they travel with the static options)
+_TENSOR_OPTIONS = tuple(n for n in _options.array_options() if n not in _validate.CU_SEQLENS)
 #: the tensor arguments of the operators, in schema order (the table's order for the options)
-_ARRAYS = ("q", "k", "v") + _options.array_options()
+_ARRAYS = ("q", "k", "v") + _TENSOR_OPTIONS
 _GRADIENTS = _bindings.differentiable(_ARRAYS)
-_STATIC_OPTIONS = tuple(n for n in _options.names() if _options.option_kind(n) != "array")
-_OPTION_ARGS = ", ".join(f"Tensor? {n}" for n in _options.array_options())
+_STATIC_OPTIONS = tuple(n for n in _options.names() if n not in _TENSOR_OPTIONS)
+_OPTION_ARGS = ", ".join(f"Tensor? {n}" for n in _TENSOR_OPTIONS)
 _FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_OPTION_ARGS}, str statics) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = (f"(Tensor dout, Tensor? dlse, Tensor out, Tensor lse, Tensor q, Tensor k, "
                     f"Tensor v, {_OPTION_ARGS}, str statics) -> Tensor[]")
@@ -61,8 +64,14 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _shapes(arrays: dict, statics: dict) -> _bindings.Shapes:
+    """The results' shapes, from cuonline's validation for the device of `q` (a CUDA tensor
+    gets the CUDA engine's limits): every user error, before anything runs."""
     options = _options.Options(**statics)
-    return _bindings.shapes({n: x for n, x in arrays.items() if x is not None}, options)
+    device = arrays["q"].device
+    where = ("cpu", 0)
+    if device.type == "cuda":
+        where = ("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return _bindings.shapes({n: x for n, x in arrays.items() if x is not None}, options, where)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +171,12 @@ def attention(
         CUDA device.
     scale, causal, window, bias, mask, kv_lengths, alibi_slopes, softcap, softcap_bias, q_offset, k_offset, bias_block, rel_bias, rel_q, rel_k, cu_seqlens_q, cu_seqlens_k, return_lse, precision, backend, workers
         As :func:`cuonline.attention`. The array options are tensors on the device of `q`
-        (Python lists and numbers are turned into tensors there).
+        (Python lists and numbers are turned into tensors there). `cu_seqlens_q` and
+        `cu_seqlens_k` (a packed batch; gradients come packed like their inputs) are read on
+        the host when the call is made (tensors, NumPy arrays or lists; under
+        ``torch.compile``, lists made outside the compiled function). Every error is raised
+        before anything runs, for the engine of the device of `q` (a CUDA tensor gets the
+        CUDA engine's limits).
     layout : {"bhld", "blhd"}, optional
         The axes of `q`, `k`, `v` and `out`: "bhld" (default), (..., heads, length, dim);
         "blhd", (batch, length, heads, dim), read through the strides (a transposed view,
@@ -193,12 +207,12 @@ def attention(
     torch.Size([2, 4, 50, 16])
     """
     options = _options.from_call(locals())
-    _varlen.refuse_in_binding(options, "torch")
+    options = _varlen.host_boundaries(options, "torch", lambda x: False)
     arrays = _tensors(q, options)
     swap = _bindings.heads_after_length(layout, q, k, v)
     if swap:                           # (batch, length, heads, dim): transposed views
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    statics = options.replace(**{n: None for n in options.arrays()})
+    statics = options.replace(**{n: None for n in arrays})
     if not torch.compiler.is_compiling():
         # every error before autograd records anything (compiled: the fake kernel's check)
         _shapes({"q": q, "k": k, "v": v, **arrays}, statics.asdict())
@@ -210,7 +224,7 @@ def _call(q: Tensor, k: Tensor, v: Tensor, arrays: dict, statics: _options.Optio
     # apart from attention(): a comprehension there would make its locals closure cells,
     # which torch.compile cannot read through locals()
     out, lse = torch.ops.cuonline.attention(
-        q, k, v, *(arrays.get(n) for n in _options.array_options()), _encode(statics, return_lse))
+        q, k, v, *(arrays.get(n) for n in _TENSOR_OPTIONS), _encode(statics, return_lse))
     if swap:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -221,7 +235,7 @@ def _tensors(q: Any, options: _options.Options) -> dict:
     array of another library is the mixed-libraries TypeError)."""
     if not isinstance(q, Tensor):
         raise TypeError(f"`q` must be a torch.Tensor, got {type(q).__name__}")
-    given = options.arrays()
+    given = _bindings.tensor_options(options)
     _arrays.check_one_library({"q": q, **given})
     return {n: x if isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
             for n, x in given.items()}

@@ -117,6 +117,40 @@ MUTANTS = {
         "r.k_start = seq[4];",
         "r.k_start = seq[0];",
     ),
+    # Statistics (attention_stats.cu): the entropy's sum not moved to the new maximum (only
+    # scaled like l), so rows whose maximum grows after their first keys go wrong.
+    "stats_entropy_not_rescaled": (
+        "attention_stats.cu",
+        "u = alpha * (u + shift * l);",
+        "u = alpha * u;",
+    ),
+    # Statistics: a lane keeps the last key of its maximum, not the first (ties).
+    "stats_argmax_last_tie": (
+        "attention_stats.cu",
+        "if (s > best) {  // strict: the first key of the max; NaN never wins",
+        "if (s >= best) {",
+    ),
+    # Statistics: a key enters the top-k before the entries with its own score (later key
+    # first on ties).
+    "stats_top_k_ties_later_key_first": (
+        "attention_stats.cu",
+        "__ballot_sync(CUONLINE_FULL_MASK, st.top_s >= x)",
+        "__ballot_sync(CUONLINE_FULL_MASK, st.top_s > x)",
+    ),
+    # Statistics: the received pass sums P without the query weights.
+    "stats_received_ignores_weights": (
+        "attention_stats.cu",
+        "acc[r] += w * weight_of(",
+        "acc[r] += weight_of(",
+    ),
+    # Statistics: pass 1 stages the next key tile while slower warps still score the last one
+    # (the barrier at the top of its loop removed): a race.
+    "stats_no_tile_sync": (
+        "attention_stats.cu",
+        "            __syncthreads();\n"
+        "            stage<kBlockN, kLd>(sK, k_b, strides[2 * kK], strides[2 * kK + 1], j0,\n",
+        "            stage<kBlockN, kLd>(sK, k_b, strides[2 * kK], strides[2 * kK + 1], j0,\n",
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from oracle import (naive_attention, naive_attention_backward, reference_attention,
-                    reference_attention_backward)
+                    reference_attention_backward, reference_attention_stats)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -424,6 +424,7 @@ BARRIER_CASES_OF = {
     "softmax.cu": ("softmax",),
     "attention_bwd_simt.cu": ("bwd_simt",),
     "attention_bwd_mma.cu": ("bwd_mma",),
+    "attention_stats.cu": ("stats",),
 }
 
 #: (dtype, family, lq, lk, n_splits): 200 keys are 4 tiles of 64 (mma f16 D = 32: two stages,
@@ -440,6 +441,9 @@ BARRIER_ATTENTION_CASES = {
     # the tensor-core backward (float16 on the emulation's sm_90): 150 queries and 140 keys
     # are 3 ragged tiles of 64 each way, so each kernel's loop refills its streamed tile
     "bwd_mma": (np.float16, "attention_bwd_mma", 150, 140, None),
+    # the statistics (one SM: 32 queries per block): 100 queries and 200 keys are 4 query
+    # tiles x 4 key tiles of 64 in pass 1 and 7 key blocks x 2 query tiles in the received pass
+    "stats": (np.float32, "attention_stats", 100, 200, None),
 }
 #: Every barrier case: the attention ones and the softmax one.
 BARRIER_CASES = sorted(BARRIER_ATTENTION_CASES) + ["softmax"]
@@ -482,6 +486,8 @@ def _run_barrier_case(case, sources, tsan):
     v = rng.standard_normal((2, lk, 24)).astype(dtype)
     if family in ("attention_bwd_simt", "attention_bwd_mma"):
         return _run_backward_barrier_case(q, k, v, rng, sources, options)
+    if family == "attention_stats":
+        return _run_stats_barrier_case(q, k, sources, options)
     p = problem_of("emulate", q, k, v, return_lse=True)
     with overrides(num_sms=1, n_splits=n_splits, family=family, tuned={},
                    kernel_sources=sources, emulate_options=options):
@@ -524,3 +530,23 @@ def _run_backward_barrier_case(q, k, v, rng, sources, options):
     errors = [float(np.abs(got[n] - want[n]).max() / max(1.0, float(np.abs(want[n]).max())))
               for n in names]
     return max(errors) if all(np.isfinite(got[n]).all() for n in names) else float("inf")
+
+
+def _run_stats_barrier_case(q, k, sources, options):
+    """The statistics' barrier case: max error of every statistic against the float64 oracle
+    (inf for a NaN or a wrong index)."""
+    import cuonline
+    from cuonline.engines.target import overrides
+    rows = [0, 37, 99]
+    with overrides(num_sms=1, kernel_sources=sources, emulate_options=options):
+        st = cuonline.attention_stats(q, k, backend="emulate", received=True, top_k=4,
+                                      rows=rows)
+    want = reference_attention_stats(q.astype(np.float64), k.astype(np.float64), top_k=4,
+                                     rows=rows)
+    if not (np.array_equal(st.argmax, want["argmax"])
+            and np.array_equal(st.top_indices, want["top_indices"])):
+        return float("inf")
+    names = ("lse", "entropy", "max_weight", "received", "top_weights", "weights")
+    if not all(np.isfinite(getattr(st, n)).all() for n in names):
+        return float("inf")
+    return max(float(np.abs(getattr(st, n) - want[n]).max()) for n in names)

@@ -73,3 +73,19 @@ def test_genomics_benchmark_prints_native_beside_dense(tmp_path):
         native_ms, dense_ms, build_ms = float(cells[3]), float(cells[4]), float(cells[6])
         assert native_ms > 0 and dense_ms > 0 and 0 <= build_ms < float("inf")
         assert float(cells[11]) < 1e-4                   # both compute the same logits
+
+
+def test_tile_profile_prints_each_step_of_a_tile():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tile_profile.py"), "--quick",
+         "--dims", "64", "--dtypes", "float32"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("BLAS: ") and "one core" in lines[2]
+    (row,) = [line for line in lines if line.startswith("| float32 |")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[3]) > 0 and float(cells[5]) > 0        # both products timed
+    if importlib.util.find_spec("torch") is not None:
+        assert float(cells[7]) > 0 and float(cells[10]) > 0   # torch's products beside them

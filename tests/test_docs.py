@@ -64,6 +64,4 @@ def test_readme_layout_names_every_docs_page():
 def test_install_commands_work_from_a_clone():
     # no wheel is published: "cuonline[extra]" fails, ".[extra]" installs from the clone
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        if path.name == "scale.md":     # owned elsewhere; its fix is reported
-            continue
         assert "cuonline[" not in path.read_text(), path

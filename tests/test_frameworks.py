@@ -1,7 +1,8 @@
 """Every array library in, the same library out: NumPy, torch and JAX arrays through the public
 functions, read in place (no input copied), results in the caller's library; mixed libraries
 refused with the arguments named. Also the option cases the framework tests share
-(tests/test_frameworks_jax.py, tests/test_frameworks_torch.py).
+(tests/test_frameworks_jax.py, tests/test_frameworks_torch.py) and ``dense_attention``, the
+dense reference they differentiate with each framework's own autodiff.
 
 A library is added to the parametrisations only where it imports (SciPy's backend fixture).
 """
@@ -74,6 +75,67 @@ CASES = ["plain", "scale_causal", "window_offsets", "bias", "mask_lengths", "ali
          "softcap_bias", "bias_block", "rel_bias", "rel_qk"]
 #: cases whose every query sees a key, so lse is finite (its gradient is tested there)
 FINITE_LSE_CASES = ["plain", "bias", "softcap_bias", "bias_block", "rel_qk"]
+
+
+# --------------------------------------------------------------------------------------------
+# a dense attention written in the framework itself, differentiated by the framework
+
+
+def dense_attention(ops, q, k, v, *, scale=None, causal=False, window=None, bias=None,
+                    mask=None, kv_lengths=None, alibi_slopes=None, softcap=None,
+                    softcap_bias=False, q_offset=None, k_offset=0, bias_block=None,
+                    rel_bias=None, rel_q=None, rel_k=None):
+    """``(out, lse)`` of softmax attention over the whole ``Lq x Lk`` logits, built term by
+    term from docs/semantics.md in the framework's own operations (``ops``: ``jax.numpy``
+    or torch, with ``ops.logsumexp(x)`` over the last axis and ``ops.asarray`` of NumPy),
+    so that ``jax.grad`` or ``torch.autograd`` differentiates it. Which keys a query sees
+    (positions, mask, lengths) is a NumPy constant; a row that sees none gives 0, -inf."""
+    lq, d = q.shape[-2:]
+    lk = k.shape[-2]
+    batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2]))
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    q_offset = lk - lq if q_offset is None else q_offset
+    delta = np.arange(lk)[None, :] + k_offset - np.arange(lq)[:, None] - q_offset
+
+    def entry(n):                      # a table of n = 2 R + 1 distances, clamped at its ends
+        radius = (n - 1) // 2
+        return ops.asarray(radius + np.clip(delta, -radius, radius))
+
+    s = scale * ops.einsum("...id,...jd->...ij", q, k)
+    if rel_q is not None:
+        s = s + ops.einsum("...id,...ijd->...ij", rel_q, rel_k[..., entry(rel_k.shape[-2]), :])
+    if softcap is not None and not softcap_bias:
+        s = softcap * ops.tanh(s / softcap)
+    if bias is not None:
+        if bias_block is not None:
+            r, c = bias_block
+            rows, cols = ops.asarray(np.arange(lq) // r), ops.asarray(np.arange(lk) // c)
+            bias = bias[..., rows, :][..., cols]
+        s = s + bias
+    if rel_bias is not None:
+        s = s + rel_bias[..., entry(rel_bias.shape[-1])]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes[..., None, None] * ops.asarray(np.abs(delta).astype(np.float64))
+    if softcap is not None and softcap_bias:
+        s = softcap * ops.tanh(s / softcap)
+    visible = np.ones(batch + (lq, lk), dtype=bool)
+    if causal:
+        visible &= delta <= 0
+    if window is not None:
+        visible &= (delta >= -(window[0] if window[0] is not None else np.inf)) & (
+            delta <= (window[1] if window[1] is not None else np.inf))
+    if mask is not None:
+        visible &= np.asarray(mask)
+    if kv_lengths is not None:
+        visible &= np.arange(lk) < np.broadcast_to(np.asarray(kv_lengths), batch)[..., None, None]
+    seen = visible.any(axis=-1)
+    # hidden keys at -1e300 (not -inf: a row that sees nothing stays finite, and its
+    # gradient is cut by the last where, not poisoned by inf - inf)
+    s = ops.where(ops.asarray(visible), s, -1e300)
+    lse = ops.logsumexp(s)
+    out = ops.einsum("...ij,...jd->...id", ops.exp(s - lse[..., None]), v)
+    return (ops.where(ops.asarray(seen[..., None]), out, 0.0),
+            ops.where(ops.asarray(seen), lse, -np.inf))
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +339,7 @@ def test_gpu_framework_check_runs_on_the_host(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_frameworks.txt").read_text(encoding="utf-8").splitlines()
-    assert len([line for line in report if line.startswith("ok ")]) == 38, report
+    assert len([line for line in report if line.startswith("ok ")]) == 48, report
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,4 +368,8 @@ def test_framework_benchmark_prints_its_tables():
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |")]
-    assert len(rows) == 2 and all(float(cell) > 0 for cell in rows[1].split("|")[2:4]), rows
+    # three tables (forward, forward + backward, torch), every time and memory cell a number
+    assert len(rows) == 3, rows
+    for row in rows:
+        [float(cell.strip().rstrip("%")) for cell in row.strip("|").split("|")]   # not "-"
+    assert all(float(cell) > 0 for cell in rows[2].split("|")[2:4]), rows

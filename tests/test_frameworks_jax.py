@@ -4,10 +4,12 @@ cuonline.attention_backward and central finite differences; trace-time errors; m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from oracle import reference_attention, reference_attention_backward
-from test_frameworks import CASES, FINITE_LSE_CASES, case_arrays
+from test_frameworks import CASES, DV, FINITE_LSE_CASES, LQ, case_arrays, dense_attention
 
 import cuonline
 
@@ -26,6 +28,12 @@ def _x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", before)
+
+
+#: the operations dense_attention needs, in JAX
+JAX_OPS = SimpleNamespace(einsum=jnp.einsum, tanh=jnp.tanh, where=jnp.where, exp=jnp.exp,
+                          asarray=jnp.asarray,
+                          logsumexp=lambda x: jax.scipy.special.logsumexp(x, axis=-1))
 
 
 def split(arrays):
@@ -72,6 +80,52 @@ def test_jit_grad_matches_attention_backward_and_the_oracle(name):
         assert got.shape == arrays[n].shape and got.dtype == jnp.float64, n
         np.testing.assert_allclose(np.asarray(got), getattr(g, FIELD[n]), rtol=0, atol=1e-13)
         np.testing.assert_allclose(np.asarray(got), oracle[FIELD[n]], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_grad_under_jit_and_vmap_matches_jax_grad_of_a_dense_reference(name):
+    """jax.grad of cuonline.jax.attention against jax.grad of dense_attention written in
+    jax.numpy (float64), for every differentiable input of the case (q, k, v, bias,
+    rel_bias, rel_q, rel_k; through lse too where it is finite): under jax.jit, and under
+    jax.vmap over a stack of queries (per-element gradients of every input)."""
+    arrays, statics = case_arrays(name)
+    diff, const = split(arrays)
+    with_lse = name in FINITE_LSE_CASES
+    rng = np.random.default_rng(17)
+    weight, lse_weight = rng.standard_normal((2, 3, LQ, DV)), rng.standard_normal((2, 3, LQ))
+
+    def ours(diff):
+        if not with_lse:
+            return (cj.attention(**diff, **const, **statics) * weight).sum()
+        out, lse = cj.attention(**diff, **const, **statics, return_lse=True)
+        return (out * weight).sum() + (lse * lse_weight).sum()
+
+    def dense(diff):
+        out, lse = dense_attention(JAX_OPS, **diff, **const, **statics)
+        return (out * weight).sum() + ((lse * lse_weight).sum() if with_lse else 0.0)
+
+    np.testing.assert_allclose(float(jax.jit(ours)(diff)), float(dense(diff)), rtol=1e-13)
+    got, want = jax.jit(jax.grad(ours))(diff), jax.grad(dense)(diff)
+    assert set(got) == set(want) == set(diff)
+    for n in diff:
+        assert got[n].shape == diff[n].shape and got[n].dtype == jnp.float64, n
+        np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want[n]), rtol=0,
+                                   atol=1e-12, err_msg=n)
+
+    qs = jnp.stack([diff["q"], 0.5 * diff["q"], -diff["q"]])
+    rest = {n: x for n, x in diff.items() if n != "q"}
+
+    def per_query(loss):
+        return jax.vmap(jax.grad(lambda q, rest: loss({**rest, "q": q}), argnums=(0, 1)),
+                        in_axes=(0, None))
+
+    (got_q, got_rest) = jax.jit(per_query(ours))(qs, rest)
+    (want_q, want_rest) = per_query(dense)(qs, rest)
+    np.testing.assert_allclose(np.asarray(got_q), np.asarray(want_q), rtol=0, atol=1e-12)
+    for n in rest:
+        assert got_rest[n].shape == (3,) + diff[n].shape, n
+        np.testing.assert_allclose(np.asarray(got_rest[n]), np.asarray(want_rest[n]), rtol=0,
+                                   atol=1e-12, err_msg=n)
 
 
 @pytest.mark.parametrize("name", FINITE_LSE_CASES)
@@ -227,6 +281,13 @@ def test_errors_are_raised_at_trace_time():
         jax.jit(lambda q, o: cj.attention(q, q, q, q_offset=o)).lower(q, 3)
     with pytest.raises(TypeError, match=r"`scale` must be a Python value"):
         jax.jit(lambda q, s: cj.attention(q, q, q, scale=s)).lower(q, 0.5)
+    # validation for the engine the callback will run: a CUDA engine's limits (here the
+    # emulated one on the CPU; on a GPU, backend="auto" on CuPy stand-ins) and a backend
+    # that does not take the device's arrays, when the program is traced, not when it runs
+    with pytest.raises(ValueError, match=r"backend='emulate' supports head dimensions up to"):
+        jax.jit(lambda q: cj.attention(q, q, q, backend="emulate")).lower(jnp.ones((5, 300)))
+    with pytest.raises(TypeError, match=r"backend='cupy' takes cupy arrays, got numpy"):
+        jax.jit(lambda q: cj.attention(q, q, q, backend="cupy")).lower(q)
 
 
 def test_merge_under_jit_and_grad():
@@ -279,5 +340,18 @@ def test_layout_blhd_against_jax_nn_dot_product_attention():
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
     out, lse = cj.attention(q, k, v, return_lse=True, layout="blhd")
     assert out.shape == (2, 33, 4, 16) and lse.shape == (2, 4, 33)
+    # read through strides inside the callback: the program transposes nothing, forward or
+    # backward
+    for program in (ours, jax.grad(loss(ours), argnums=(0, 1, 2))):
+        text = jax.jit(program).lower(q, k, v).as_text()
+        assert "custom_call" in text and "transpose" not in text
+    # vmapped: the mapped axis goes in front of the batch, the strides still do the rest
+    qs = jnp.stack([q, -q])
+    mapped = jax.jit(jax.vmap(jax.grad(loss(ours), argnums=(0, 1)), in_axes=(0, None, None)))(
+        qs, k, v)
+    for i in range(2):
+        each = jax.grad(loss(ours), argnums=(0, 1))(qs[i], k, v)
+        for a, b in zip(mapped, each):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
     with pytest.raises(ValueError, match=r"layout='blhd' takes `q` of shape"):
         cj.attention(q[0], k, v, layout="blhd")

@@ -4,9 +4,11 @@ torch.compile of a function that calls it, requires_grad and bfloat16 inputs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from test_frameworks import CASES, FINITE_LSE_CASES, case_arrays
+from test_frameworks import CASES, DV, FINITE_LSE_CASES, LQ, case_arrays, dense_attention
 
 import cuonline
 
@@ -16,6 +18,12 @@ ct = pytest.importorskip("cuonline.torch")
 DIFFERENTIABLE = ("q", "k", "v", "bias", "rel_bias", "rel_q", "rel_k")
 FIELD = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "rel_bias": "drel_bias",
          "rel_q": "drel_q", "rel_k": "drel_k"}
+
+
+#: the operations dense_attention needs, in torch
+TORCH_OPS = SimpleNamespace(einsum=torch.einsum, tanh=torch.tanh, where=torch.where,
+                            exp=torch.exp, asarray=torch.as_tensor,
+                            logsumexp=lambda x: torch.logsumexp(x, dim=-1))
 
 
 def tensors(arrays):
@@ -37,6 +45,30 @@ def test_gradcheck_every_option(name):
         return ct.attention(**dict(zip(names, xs)), **const, **statics, return_lse=with_lse)
 
     assert torch.autograd.gradcheck(function, tuple(diff.values()), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_autograd_matches_autograd_of_a_dense_reference(name):
+    """torch.autograd through cuonline.torch.attention against torch.autograd through
+    dense_attention written in torch (float64), for every differentiable input of the case,
+    through lse too where it is finite."""
+    arrays, statics = case_arrays(name)
+    with_lse = name in FINITE_LSE_CASES
+    rng = np.random.default_rng(18)
+    weight = torch.from_numpy(rng.standard_normal((2, 3, LQ, DV)))
+    lse_weight = torch.from_numpy(rng.standard_normal((2, 3, LQ)))
+    ours_in, const = tensors(arrays)
+    dense_in, _ = tensors(arrays)
+    out, lse = ct.attention(**ours_in, **const, **statics, return_lse=True)
+    want, want_lse = dense_attention(TORCH_OPS, **dense_in, **const, **statics)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-13)
+    ours_loss = (out * weight).sum() + ((lse * lse_weight).sum() if with_lse else 0.0)
+    dense_loss = (want * weight).sum() + ((want_lse * lse_weight).sum() if with_lse else 0.0)
+    got = torch.autograd.grad(ours_loss, tuple(ours_in.values()))
+    expected = torch.autograd.grad(dense_loss, tuple(dense_in.values()))
+    for n, a, b in zip(ours_in, got, expected):
+        assert a.shape == ours_in[n].shape, n
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -59,7 +59,8 @@ def test_variant_compiles_without_spills(spec, arch):
 @pytest.mark.parametrize("arch", ["sm_70", "sm_75"])
 def test_older_archs_list_only_the_families_that_run_there(arch):
     specs = families.listing_specs(arch)
-    assert {s.family for s in specs} == {"attention_fwd_simt", "attention_bwd_simt", "softmax"}
+    assert {s.family for s in specs} == {"attention_fwd_simt", "attention_bwd_simt", "softmax",
+                                         "attention_stats"}
     # every dtype has SIMT attention variants there (the tensor-core dtypes included)
     assert {s.dtype for s in specs if s.family == "attention_fwd_simt"} == {
         "float16", "bfloat16", "float32", "float64"}

@@ -45,20 +45,12 @@ def test_attention_stats_takes_every_score_option_of_the_table():
     assert "SCORE_OPTIONS" not in cuonline.attention_stats.__doc__
 
 
-# options attention_stats takes (its signature is the table's) and refuses for now
-_NOT_IN_STATS = ("cu_seqlens_q", "cu_seqlens_k")
-
-
 def test_every_score_option_reaches_the_statistics(rng):
     """Each option that changes the scores changes the statistics: none is dropped on the way
     from attention_stats to the engine."""
     lq, lk = 12, 16
     q, k = rng.standard_normal((2, lq, 5)), rng.standard_normal((2, lk, 5))
     for name, (options, without) in _cases(rng, lq, lk).items():
-        if name in _NOT_IN_STATS:
-            with pytest.raises(ValueError, match="attention_stats does not yet take packed"):
-                cuonline.attention_stats(q, k, **options)
-            continue
         st = cuonline.attention_stats(q, k, **options)
         base = cuonline.attention_stats(q, k, **without)
         assert not np.allclose(st.lse, base.lse), f"{name} did not reach attention_stats"

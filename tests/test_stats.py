@@ -254,8 +254,8 @@ BAD = [
                                  r"got 5"),
     (dict(rows=[-6]), ValueError, r"got -6"),
     (dict(causal=1), TypeError, r"`causal` must be True or False"),
-    (dict(backend="emulate"), ValueError, r"CUDA statistics kernels are not yet available.*"
-                                          r"cupy.asnumpy"),
+    (dict(backend="emulate", top_k=33), ValueError,
+     r"`top_k` must be at most 32 on the CUDA engine \(backend='emulate'.*got 33"),
     (dict(backend="cupy"), TypeError, r"backend='cupy' takes cupy arrays"),
     (dict(workers=0), ValueError, r"`workers` must be a positive int"),
 ]

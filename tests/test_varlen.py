@@ -8,8 +8,6 @@ and attention_backward; empty sequences on either side; pack/unpack; and each ba
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 from oracle import reference_varlen_attention, reference_varlen_attention_backward
@@ -269,19 +267,9 @@ def test_options_without_meaning_across_sequences_are_refused(option):
         cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12], **option)
 
 
-def test_dask_and_stats_refuse_packed_batches():
-    da = pytest.importorskip("dask.array")
-    q = np.zeros((12, 4))
-    with pytest.raises(ValueError, match="Dask arrays do not yet take packed batches"):
-        cuonline.attention(da.from_array(q), q, q, cu_seqlens_q=[0, 5, 12],
-                           cu_seqlens_k=[0, 5, 12])
-    with pytest.raises(ValueError, match="attention_stats does not yet take packed batches"):
-        cuonline.attention_stats(q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12])
-
-
-def test_torch_and_jax_inputs_and_bindings():
-    """cuonline.attention answers torch and JAX arrays in kind, boundaries of any library;
-    the differentiable bindings refuse packed batches by name."""
+def test_torch_inputs_and_boundaries_of_any_library():
+    """cuonline.attention answers torch arrays in kind, boundaries of any library (the
+    differentiable bindings' packed batches: tests/test_frameworks_varlen.py)."""
     torch = pytest.importorskip("torch")
     _, q, k, v, cq, ck = case(5)
     ref = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True)
@@ -289,15 +277,6 @@ def test_torch_and_jax_inputs_and_bindings():
                              cu_seqlens_q=torch.from_numpy(cq), cu_seqlens_k=ck, causal=True)
     assert isinstance(out, torch.Tensor)
     np.testing.assert_array_equal(out.numpy(), ref)
-    binding = importlib.import_module("cuonline.torch")
-    with pytest.raises(ValueError, match="torch binding does not yet take packed batches"):
-        binding.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
-                                 cu_seqlens_q=cq, cu_seqlens_k=ck)
-    jnp = pytest.importorskip("jax.numpy")
-    binding = importlib.import_module("cuonline.jax")
-    with pytest.raises(ValueError, match="JAX binding does not yet take packed batches"):
-        binding.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                               cu_seqlens_q=cq, cu_seqlens_k=ck)
 
 
 @pytest.mark.slow

@@ -13,7 +13,12 @@ error is the one the NumPy engine would raise; then a graph is built:
   rounding does not depend on scheduling;
 * a key chunk that no query of a query chunk can see (above the causal diagonal, outside the
   window, at or past every ``kv_lengths`` of the batch chunk when ``kv_lengths`` is concrete)
-  gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``.
+  gets no task at all; an output block with no visible key chunk gets zeros and ``-inf``;
+* packed batches (``cu_seqlens_q``, ``cu_seqlens_k``, NumPy boundaries that shape the graph):
+  a task for each pair that some sequence spans, making the calls of :func:`_varlen_calls`
+  (the sequences whole in both chunks as one packed call, each sequence a chunk boundary cuts
+  as a plain call on its piece with its position in the sequence as offsets), its rows of
+  the other sequences 0 and ``-inf``; then the same merge tree.
 
 :func:`attention_backward` runs the backward pass on the same graph, each task's gradients
 split into one piece per gradient and summed by one tree per gradient. :func:`softmax` is the
@@ -71,17 +76,6 @@ def _is_dask_array(x) -> bool:
     return type(x).__module__.startswith("dask.array")
 
 
-def _refuse_packed(options) -> None:
-    """Packed variable-length batches have no Dask graph yet: their chunks would have to
-    fall on sequence boundaries."""
-    given = [n for n in ("cu_seqlens_q", "cu_seqlens_k") if options.get(n) is not None]
-    if given:
-        raise ValueError(
-            f"Dask arrays do not yet take packed batches ({', '.join(given)} given): compute "
-            f"the arrays (NumPy) for a packed call, or split the batch with cuonline.unpack "
-            f"and build one Dask call per sequence")
-
-
 def is_dask_call(arguments) -> bool:
     """Whether any value of ``arguments`` (a call's bound arguments) is a Dask array."""
     return any(_is_dask_array(x) for x in arguments.values())
@@ -105,9 +99,9 @@ def attention(chunk_attention, /, q, k, v, **options):
     keywords, all of them: the array options are chunked to match the queries and keys, the
     position keywords (causal, window, offsets) are rewritten per task from the chunk
     positions, and every other keyword goes to each task unchanged, except ``workers=None``,
-    which becomes 1: Dask's workers are the parallelism, one BLAS thread per task.
+    which becomes 1: Dask's workers are the parallelism, one BLAS thread per task. A packed
+    batch's boundaries (NumPy or lists; a Dask array is a TypeError) plan the pairs' calls.
     """
-    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 
@@ -122,9 +116,14 @@ def attention(chunk_attention, /, q, k, v, **options):
         parts = []
         for jk, j0 in visible:
             key = (chunk_name, *b, iq, jk)
-            per_task = dict(task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
-            dsk[key] = Task(key, _chunk_state, chunk_attention, per_task, j0, plan.names,
-                            *(TaskRef(r) for r in plan.reads(b, iq, jk)))
+            refs = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            if plan.calls is not None:
+                dsk[key] = Task(key, _chunk_varlen_state, chunk_attention, task_options,
+                                plan.calls[iq, jk], i1 - i0, plan.names, *refs)
+            else:
+                per_task = dict(task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
+                dsk[key] = Task(key, _chunk_state, chunk_attention, per_task, j0, plan.names,
+                                *refs)
             parts.append(key)
         if not parts:
             key = (merge_name, *b, iq, "empty")
@@ -155,9 +154,9 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
     reads (keys no query sees) gets zeros. Each task's gradients are split into one piece per
     gradient as soon as it ends, and each tree reads only its gradient's pieces, so computing
     one gradient alone keeps no other gradient's blocks alive. Every gradient is a Dask array
-    of its input's shape and chunks, whatever library the input came in.
+    of its input's shape and chunks, whatever library the input came in. A packed batch's
+    tasks make their pair's calls, each call's gradients at its rows (the tables summed).
     """
-    _refuse_packed(options)
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
@@ -166,16 +165,25 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     p = _validate_on_stand_ins(arrays, options, _validate.validate_attention_backward).forward
+    # the chunks each differentiable Dask input came in, which its gradient takes back
+    given_chunks = {n: x.chunks for n, x in {**arrays, **options}.items()
+                    if n in _GRADIENT_OF and _is_dask_array(x)}
     plan = _plan(da, arrays, options, p, chunk_backward)
     name = f"cuonline-attention-backward-{plan.token}"
     dsk, readers = {}, {}
     for b, iq, i0, i1, visible in plan.blocks:
         for jk, j0 in visible:
             key = (f"{name}-chunk", *b, iq, jk)
-            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
             reads = plan.reads(b, iq, jk)
-            dsk[key] = Task(key, _chunk_gradients, chunk_backward, per_task, j0, plan.names,
-                            *(TaskRef(r) for r in reads))
+            if plan.calls is not None:
+                dsk[key] = Task(key, _chunk_varlen_gradients, chunk_backward,
+                                plan.task_options, plan.calls[iq, jk], plan.names,
+                                *(TaskRef(r) for r in reads))
+            else:
+                per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0,
+                                k_offset=j0)
+                dsk[key] = Task(key, _chunk_gradients, chunk_backward, per_task, j0,
+                                plan.names, *(TaskRef(r) for r in reads))
             # one piece per gradient, split off at once: a gradient's sum reads only its own
             # pieces, so computing one gradient does not keep the others' blocks alive
             for arg, read in zip(plan.names, reads):
@@ -207,6 +215,9 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
         gradients[field] = da.Array(
             _with_layer(graph, out_name, layer, f"{name}-state"), out_name, chunks=x.chunks,
             meta=np.empty_like(x._meta, shape=(0,) * x.ndim, dtype=dtype))
+        if given_chunks.get(arg, x.chunks) != x.chunks:
+            # the graph refined the input's chunks (k's with v's, say): back to the input's
+            gradients[field] = gradients[field].rechunk(given_chunks[arg])
     return Gradients(**{f: gradients.get(f) for f in _GRADIENT_OF.values()})
 
 
@@ -224,10 +235,13 @@ class _Plan:
     """What the forward and backward graphs share: the arguments as Dask arrays chunked to
     match, the output blocks with their visible key chunks, the per-task keywords."""
 
-    def __init__(self, p, arrays, batch_chunks, axis_chunks, blocks, task_options, token):
+    def __init__(self, p, arrays, batch_chunks, axis_chunks, blocks, task_options, token,
+                 calls=None):
         self.p, self.arrays, self.batch_chunks, self.axis_chunks = p, arrays, batch_chunks, \
             axis_chunks
         self.blocks, self.task_options, self.token = blocks, task_options, token
+        # packed batches: {(query chunk, key chunk): its calls (_varlen_calls)}, else None
+        self.calls = calls
         self.names = tuple(arrays)
 
     def reads(self, b, iq, jk):
@@ -243,6 +257,9 @@ def _plan(da, arrays, options, p, chunk_function):
 
     for name in _OPTION_ARRAYS:
         arrays[name] = options.pop(name, None)
+    varlen = p.cu_seqlens_q is not None
+    # the boundaries shape the graph (validated in p); the tasks get their own slices
+    arrays["cu_seqlens_q"] = arrays["cu_seqlens_k"] = None
     # a concrete kv_lengths as validated (batch shape, clipped): its values prune key chunks
     concrete_lengths = p.kv_lengths is not None and not _is_dask_array(arrays["kv_lengths"])
     if concrete_lengths:
@@ -264,10 +281,22 @@ def _plan(da, arrays, options, p, chunk_function):
     task_options.update(causal=False, window=None if p.window == (None, None) else p.window)
     if task_options.get("workers") is None:
         task_options["workers"] = 1
+    calls = None
+    if varlen:
+        calls = _varlen_calls(p, axis_chunks, options.get("q_offset"),
+                              options.get("k_offset", 0))
     token = tokenize(*(x.name for x in arrays.values()), sorted(task_options.items(), key=str),
-                     p.diagonal_offset, chunk_function.__module__, chunk_function.__qualname__)
+                     p.diagonal_offset, chunk_function.__module__, chunk_function.__qualname__,
+                     p.cu_seqlens_q, p.cu_seqlens_k, options.get("q_offset"),
+                     options.get("k_offset", 0))
 
     q_bounds, k_bounds = _bounds(axis_chunks["q"]), _bounds(axis_chunks["k"])
+    if varlen:
+        blocks = [(b, iq, q_bounds[iq], q_bounds[iq + 1],
+                   [(jk, k_bounds[jk]) for jk in range(len(k_bounds) - 1) if (iq, jk) in calls])
+                  for b in itertools.product(*(range(len(c)) for c in batch_chunks))
+                  for iq in range(len(q_bounds) - 1)]
+        return _Plan(p, arrays, batch_chunks, axis_chunks, blocks, task_options, token, calls)
     b_bounds = [_bounds(c) for c in batch_chunks]
     blocks = []
     for b in itertools.product(*(range(len(c)) for c in batch_chunks)):
@@ -284,6 +313,71 @@ def _plan(da, arrays, options, p, chunk_function):
                        if k_bounds[jk] < hi and k_bounds[jk + 1] > lo]
             blocks.append((b, iq, i0, i1, visible))
     return _Plan(p, arrays, batch_chunks, axis_chunks, blocks, task_options, token)
+
+
+def _varlen_calls(p, axis_chunks, q_offset, k_offset):
+    """The calls of each (query chunk, key chunk) pair of a packed batch that some sequence
+    spans: ``{(iq, jk): [(qa, qb, ka, kb, cu_q, cu_k, q_offset, k_offset), ...]}``, rows
+    ``[qa, qb)`` of the query chunk against rows ``[ka, kb)`` of the key chunk.
+
+    A sequence wholly inside both chunks is one of the pair's packed call on its run of
+    whole sequences (their boundaries ``cu_q``, ``cu_k``, local to the run), with the call's
+    own offsets: each sequence keeps the diagonal it has in the whole call. A sequence that a
+    chunk boundary cuts (at most the first and the last of each chunk) is a plain call on its
+    piece, its position in the sequence passed as the piece's diagonal (``q_offset``, with
+    ``k_offset = 0``): query ``qs + i`` of sequence ``b`` faces key ``qs + i + d_b``, which
+    is the piece's key ``i + d_b + qs - ks``. Every term reads only that distance, so each
+    piece scores as the sequence does in the whole call. Pieces no query of which sees a key
+    (causal, window) are left out; a pair left with no call has no task.
+    """
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    q_bounds, k_bounds = np.asarray(_bounds(axis_chunks["q"])), np.asarray(
+        _bounds(axis_chunks["k"]))
+    # (iq, jk) -> [(b, whole, qa, qb, ka, kb, shift)]: rows local to the chunks, and the
+    # piece's first query minus its first key in the sequence's own positions
+    pieces: dict = {}
+    for b, diagonal in enumerate(p.sequence_diagonals):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if q0 == q1 or k0 == k1:
+            continue                  # nothing to compute: its queries keep 0 and -inf
+        first_q = int(np.searchsorted(q_bounds, q0, side="right")) - 1
+        last_q = int(np.searchsorted(q_bounds, q1 - 1, side="right")) - 1
+        first_k = int(np.searchsorted(k_bounds, k0, side="right")) - 1
+        last_k = int(np.searchsorted(k_bounds, k1 - 1, side="right")) - 1
+        for iq in range(first_q, last_q + 1):
+            a, e = max(q0, int(q_bounds[iq])), min(q1, int(q_bounds[iq + 1]))
+            if a == e:
+                continue              # an empty chunk
+            for jk in range(first_k, last_k + 1):
+                c, f = max(k0, int(k_bounds[jk])), min(k1, int(k_bounds[jk + 1]))
+                if c == f:
+                    continue
+                # in the sequence's own positions: queries [a - q0, e - q0), keys [c - k0, ...)
+                lo, hi = visible_key_range(a - q0, e - q0, q1 - q0, k1 - k0, p.window, diagonal)
+                if hi <= c - k0 or lo >= f - k0 or lo >= hi:
+                    continue
+                whole = (a, e, c, f) == (q0, q1, k0, k1)
+                piece = (b, whole, a - int(q_bounds[iq]), e - int(q_bounds[iq]),
+                         c - int(k_bounds[jk]), f - int(k_bounds[jk]), a - q0 - (c - k0))
+                pieces.setdefault((iq, jk), []).append(piece)
+    calls = {}
+    for pair, members in pieces.items():
+        calls[pair] = []
+        wholes = [m for m in members if m[1]]
+        if wholes:
+            # one packed call over the run of whole sequences, the empty ones between included
+            b0, b1 = wholes[0][0], wholes[-1][0]
+            iq, jk = pair
+            run_q = cq[b0:b1 + 2] - cq[b0]
+            run_k = ck[b0:b1 + 2] - ck[b0]
+            qa, ka = int(cq[b0] - q_bounds[iq]), int(ck[b0] - k_bounds[jk])
+            calls[pair].append((qa, qa + int(run_q[-1]), ka, ka + int(run_k[-1]), run_q, run_k,
+                                q_offset, k_offset))
+        for b, whole, qa, qb, ka, kb, shift in members:
+            if not whole:
+                calls[pair].append((qa, qb, ka, kb, None, None,
+                                    p.sequence_diagonals[b] + shift, 0))
+    return calls
 
 
 def _validate_on_stand_ins(arrays, options, validate):
@@ -303,6 +397,9 @@ def _validate_on_stand_ins(arrays, options, validate):
             stand_ins[name] = x                # None, lists, scalars: validated as they are
         elif name == "kv_lengths" and isinstance(x, np.ndarray):
             stand_ins[name] = x                # small: its values are checked and used
+        elif name in _validate.CU_SEQLENS:
+            stand_ins[name] = x                # host integers that shape the graph (a Dask
+                                               # array is refused by validation, by name)
         else:
             stand_ins[name] = _stand_in(x, f"`{name}`", name)
     options = {n: x for n, x in options.items() if n not in _OPTION_ARRAYS}
@@ -315,8 +412,10 @@ def _stand_in_backend(arrays, backend):
     Mixed libraries and ``numpy.ma`` chunks raise the errors of the in-memory call. CuPy
     chunks, perhaps on a client without a GPU: the backend is checked against CuPy here and
     the rest validated with ``"auto"``; each task checks its own CUDA limits."""
+    # the boundaries of a packed batch are host integers of any library, read by value
     xp = _validate.array_namespace(**{n: (x._meta if _is_dask_array(x) else x)
-                                      for n, x in arrays.items()})
+                                      for n, x in arrays.items()
+                                      if n not in _validate.CU_SEQLENS})
     if xp is np:
         return backend
     _validate.check_backend(backend, xp)
@@ -483,6 +582,90 @@ def _chunk_gradients(chunk_backward, options, j0, names, *blocks):
     positional = [arrays.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
     with _lse_check.partial_keys():            # the global lse, this chunk's keys
         return chunk_backward(*positional, **arrays, **options)
+
+
+def _rows(x, a, b, n, axis=-2):
+    """Rows ``[a, b)`` of ``x`` along ``axis`` of length ``n`` (an axis of length 1 that
+    broadcasts against it stays as it is)."""
+    if x.shape[axis] != n:
+        return x
+    index = (Ellipsis, slice(a, b)) + (slice(None),) * (-1 - axis)
+    return x[index]
+
+
+def _varlen_keywords(options, call):
+    qa, qb, ka, kb, cu_q, cu_k, q_offset, k_offset = call
+    return dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_offset=q_offset,
+                k_offset=k_offset)
+
+
+def _varlen_parts(arrays, call, n_q, n_k):
+    """The arguments of one call of a packed pair: its rows of the query-chunked and
+    key-chunked blocks, the rest as they are."""
+    qa, qb, ka, kb = call[:4]
+    parts = {}
+    for name, x in arrays.items():
+        kinds = _LAYOUT[name]
+        if "q" in kinds:
+            axis = kinds.index("q") - len(kinds)
+            parts[name] = _rows(x, qa, qb, n_q, axis) if x.ndim >= -axis else x
+        elif "k" in kinds:
+            axis = kinds.index("k") - len(kinds)
+            parts[name] = _rows(x, ka, kb, n_k, axis) if x.ndim >= -axis else x
+        else:
+            parts[name] = x
+    return parts
+
+
+def _chunk_varlen_state(chunk_attention, options, calls, n_q, names, *blocks):
+    """One (query chunk, key chunk) pair of a packed batch: ``(out, lse)`` over the chunk's
+    keys, from its calls (:func:`_varlen_calls`), in the accumulation dtype; rows of no call
+    (their sequence has no visible key in the chunk) get 0 and ``-inf``."""
+    arrays = dict(zip(names, blocks))
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    xp = _validate.array_namespace(q=q)
+    n_k = k.shape[-2]
+    out = lse = None
+    for call in calls:
+        parts = _varlen_parts(arrays, call, n_q, n_k)
+        o, s = chunk_attention(parts.pop("q"), parts.pop("k"), parts.pop("v"), **parts,
+                               **_varlen_keywords(options, call))
+        if out is None:
+            out = xp.zeros(o.shape[:-2] + (n_q, o.shape[-1]), dtype=s.dtype)
+            lse = xp.full(o.shape[:-2] + (n_q,), -np.inf, dtype=s.dtype)
+        out[..., call[0]:call[1], :] = o
+        lse[..., call[0]:call[1]] = s
+    return out, lse
+
+
+def _chunk_varlen_gradients(chunk_backward, options, calls, names, *blocks):
+    """One (query chunk, key chunk) pair of the backward of a packed batch: a Gradients of
+    its blocks' shapes, each call's gradients at its rows (the tables' summed), in the
+    accumulation dtype of each gradient."""
+    from .._gradients import Gradients
+
+    arrays = dict(zip(names, blocks))
+    xp = _validate.array_namespace(q=arrays["q"])
+    n_q, n_k = arrays["q"].shape[-2], arrays["k"].shape[-2]
+    totals = {name: xp.zeros(x.shape, dtype=accumulation_dtype(x.dtype))
+              for name, x in arrays.items() if name in _GRADIENT_OF}
+    for call in calls:
+        parts = _varlen_parts(arrays, call, n_q, n_k)
+        positional = [parts.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
+        with _lse_check.partial_keys():        # the global lse, this chunk's keys
+            g = chunk_backward(*positional, **parts, **_varlen_keywords(options, call))
+        for name, total in totals.items():
+            kinds = _LAYOUT[name]
+            grad = getattr(g, _GRADIENT_OF[name])
+            if "q" in kinds or "k" in kinds:
+                side = "q" if "q" in kinds else "k"
+                a, b = (call[0], call[1]) if side == "q" else (call[2], call[3])
+                axis = kinds.index(side) - len(kinds)
+                index = (Ellipsis, slice(a, b)) + (slice(None),) * (-1 - axis)
+                total[index] += grad
+            else:
+                total += grad
+    return Gradients(**{f: totals.get(n) for n, f in _GRADIENT_OF.items()})
 
 
 def _take_gradient(gradients, field, acc_dtype):
@@ -747,8 +930,9 @@ def attention_stats(stats_class, /, q, k, **options):
     statistics. ``received``: a task per visible pair adds ``w^T P`` of its queries with their
     global ``lse``, summed per key chunk over the query chunks by a fixed tree. ``rows``
     (a NumPy array or list) are computed per pair from ``lse`` and placed in the order given.
+    A packed batch's pairs make their calls (:func:`_varlen_calls`), their row states placed
+    at the calls' rows (:func:`.numpy_varlen.place_rows`).
     """
-    _refuse_packed(options)
     import dask.array as da
     from dask.task_spec import Task, TaskRef
 
@@ -764,9 +948,14 @@ def attention_stats(stats_class, /, q, k, **options):
     p = _validate_on_stand_ins(dict(arrays), dict(options), _validate.validate_attention)
     metas = {n: (x._meta if _is_dask_array(x) else x) for n, x in (("q", q), ("k", k))}
     if _validate.array_namespace(**metas) is not np:
-        raise ValueError("attention_stats runs on the NumPy engine only: the CUDA statistics "
-                         "kernels are not yet available; pass NumPy chunks "
+        raise ValueError("attention_stats on Dask arrays runs the NumPy engine on each chunk "
+                         "(its row states merge across chunks); pass NumPy chunks "
                          "(x.map_blocks(cupy.asnumpy))")
+    if options.get("backend") in ("cupy", "emulate"):
+        raise ValueError(f"attention_stats on Dask arrays runs the NumPy engine on each chunk "
+                         f"(its row states merge across chunks), got "
+                         f"backend={options['backend']!r}; pass backend='auto' or 'numpy', "
+                         f"or call it on NumPy or CuPy arrays for the CUDA kernels")
     weights = own["query_weights"]
     q_stand_in = _stand_in(q, "`q`", "q") if hasattr(q, "shape") else np.asarray(q)
     sp = _validate.validate_attention_stats(
@@ -792,9 +981,15 @@ def attention_stats(stats_class, /, q, k, **options):
         parts = []
         for jk, j0 in visible:
             key = (f"{name}-rows", *b, iq, jk)
-            per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
-            dsk[key] = Task(key, _chunk_row_state, per_task, row_options, j0, plan.names,
-                            *(TaskRef(r) for r in plan.reads(b, iq, jk)))
+            refs = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            if plan.calls is not None:
+                dsk[key] = Task(key, _chunk_varlen_row_state, plan.task_options, row_options,
+                                plan.calls[iq, jk], i1 - i0, j0, plan.names, *refs)
+            else:
+                per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0,
+                                k_offset=j0)
+                dsk[key] = Task(key, _chunk_row_state, per_task, row_options, j0, plan.names,
+                                *refs)
             parts.append(key)
         if not parts:
             key = (f"{name}-rows", *b, iq, "empty")
@@ -816,15 +1011,26 @@ def attention_stats(stats_class, /, q, k, **options):
         for jk, j0 in visible:
             per_task = dict(plan.task_options, q_offset=p.diagonal_offset + i0, k_offset=j0)
             reads = [TaskRef(r) for r in plan.reads(b, iq, jk)]
+            # packed batches: the pair's calls instead of its positions
+            varlen = None if plan.calls is None else (plan.task_options, plan.calls[iq, jk],
+                                                      i1 - i0)
             if sp.received:
                 key = (f"{name}-received-part", *b, iq, jk)
-                dsk[key] = Task(key, _chunk_received, per_task, j0, plan.names,
-                                TaskRef(lse_keys[b, iq]), *reads)
+                if varlen:
+                    dsk[key] = Task(key, _chunk_varlen_received, *varlen, plan.names,
+                                    TaskRef(lse_keys[b, iq]), *reads)
+                else:
+                    dsk[key] = Task(key, _chunk_received, per_task, j0, plan.names,
+                                    TaskRef(lse_keys[b, iq]), *reads)
                 received_parts.setdefault(b + (jk,), []).append(key)
             if local is not None and local.size:
                 key = (f"{name}-weights-part", *b, iq, jk)
-                dsk[key] = Task(key, _chunk_weights, per_task, j0, rows[local] - i0,
-                                plan.names, TaskRef(lse_keys[b, iq]), *reads)
+                if varlen:
+                    dsk[key] = Task(key, _chunk_varlen_weights, *varlen, rows[local] - i0,
+                                    plan.names, TaskRef(lse_keys[b, iq]), *reads)
+                else:
+                    dsk[key] = Task(key, _chunk_weights, per_task, j0, rows[local] - i0,
+                                    plan.names, TaskRef(lse_keys[b, iq]), *reads)
                 row_parts.setdefault(b + (jk,), []).append((local, key))
 
     graph_deps = list(plan.arrays.values())
@@ -920,6 +1126,87 @@ def _chunk_weights(options, j0, rows, names, lse, *blocks):
     sp = _stats_task_problem(options, j0, names, blocks, entropy=False)
     p = sp.scores
     return numpy_stats.weights_of_rows(p, lse, np.asarray(rows, dtype=np.int64), p.workers or 1)
+
+
+def _call_stats_problem(options, call, parts, **stats):
+    """The StatsProblem of one call of a packed pair (:func:`_varlen_calls`) on its
+    ``parts`` (:func:`_varlen_parts`)."""
+    from .._options import Options
+
+    parts = dict(parts)
+    q, k = parts.pop("q"), parts.pop("k")
+    parts.pop("v")
+    weights = parts.pop("query_weights", None)
+    if stats.get("received"):
+        stats["query_weights"] = weights
+    return _validate.validate_attention_stats(
+        q, k, Options(**parts, **_varlen_keywords(options, call)), **stats)
+
+
+def _stats_engine(sp):
+    """The module that runs the passes of ``sp``: the packed driver for a packed call."""
+    from . import numpy_stats, numpy_varlen
+
+    return numpy_stats if sp.scores.cu_seqlens_q is None else numpy_varlen
+
+
+def _chunk_varlen_row_state(options, row_options, calls, n_q, j0, names, *blocks):
+    """The RowState of the query chunk of a packed pair over its keys, from its calls (rows
+    of no call: a row that saw nothing), key indices those of the whole call."""
+    from .numpy_stats import RowState
+    from .numpy_varlen import place_rows
+
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    state = None
+    for call in calls:
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 **row_options)
+        batch = sp.scores.batch_shape
+        part = _stats_engine(sp).row_state(sp, sp.scores.workers or 1).shifted(j0 + call[2])
+        if state is None:
+            state = RowState(math.prod(batch) * n_q, sp.top_k, sp.scores.acc_dtype,
+                             sp.entropy)
+        place_rows(state, part, batch, n_q, slice(call[0], call[1]))
+    return state
+
+
+def _chunk_varlen_received(options, calls, n_q, names, lse, *blocks):
+    """``w^T P`` of a packed pair over its key chunk, with its queries' global ``lse``."""
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    total = None
+    for call in calls:
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 entropy=False, received=True)
+        p = sp.scores
+        got = _stats_engine(sp).received(p, lse[..., call[0]:call[1]], sp.query_weights,
+                                         p.workers or 1)
+        if total is None:
+            total = np.zeros(got.shape[:-1] + (n_k,), dtype=got.dtype)
+        total[..., call[2]:call[3]] += got
+    return total
+
+
+def _chunk_varlen_weights(options, calls, n_q, rows, names, lse, *blocks):
+    """The rows ``rows`` (local to the query chunk) of a packed pair's P over its key
+    chunk, 0 where a row's sequence has no keys in the chunk."""
+    arrays = dict(zip(names, blocks))
+    n_k = arrays["k"].shape[-2]
+    rows = np.asarray(rows, dtype=np.int64)
+    batch = np.broadcast_shapes(arrays["q"].shape[:-2], arrays["k"].shape[:-2])
+    acc = accumulation_dtype(arrays["q"].dtype)
+    out = np.zeros(batch + (rows.size, n_k), dtype=acc)
+    for call in calls:
+        where = np.flatnonzero((rows >= call[0]) & (rows < call[1]))
+        if not where.size:
+            continue
+        sp = _call_stats_problem(options, call, _varlen_parts(arrays, call, n_q, n_k),
+                                 entropy=False)
+        p = sp.scores
+        out[..., where, call[2]:call[3]] = _stats_engine(sp).weights_of_rows(
+            p, lse[..., call[0]:call[1]], rows[where] - call[0], p.workers or 1)
+    return out
 
 
 def _empty_row_state(n, top_k, acc_dtype, entropy):

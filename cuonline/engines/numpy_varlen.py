@@ -2,9 +2,9 @@
 
 No new numerics: the sequences of a packed batch are grouped by their shape, each group is
 stacked into one batch axis (a copy of its rows) and handed to the NumPy forward
-(:func:`.numpy.attention`) or backward (:func:`.numpy_backward.attention_backward`) as an
-ordinary :class:`cuonline._validate.Problem`, whose results are scattered back into the packed
-layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
+(:func:`.numpy.attention`), backward (:func:`.numpy_backward.attention_backward`) or
+statistics (:mod:`.numpy_stats`) as an ordinary :class:`cuonline._validate.Problem`, whose
+results are scattered back into the packed layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
 sequences of one group (every 300-residue protein, say) are one call whose tasks keep the
 pool busy, however short each sequence is.
 
@@ -17,6 +17,7 @@ padded to its longest and the padding is cut off with ``kv_lengths`` (never read
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +28,10 @@ from . import numpy as numpy_forward
 from . import numpy_backward
 
 if TYPE_CHECKING:
-    from .._validate import BackwardProblem, Problem
+    from .._validate import BackwardProblem, Problem, StatsProblem
 
-__all__ = ["Group", "attention", "attention_backward", "groups"]
+__all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups",
+           "place_rows", "received", "row_state", "weights_of_rows"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +166,117 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
                      drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
                      drel_k=reduced.get("rel_k"))
+
+
+def attention_stats(sp: StatsProblem) -> dict:
+    """The fields of :class:`cuonline.AttentionStats` of the packed statistics problem
+    ``sp``: row statistics packed like the queries (``S + (total_q,)``, key indices those of
+    the packed keys), ``received`` like the keys (``S + (total_k,)``; keys of a sequence
+    without queries receive 0), ``weights`` ``S + (len(rows), total_k)`` (0 outside each
+    row's sequence). A query of a sequence without keys gets what a row that sees no key gets
+    (``lse = -inf``, entropy 0, argmax -1, ...)."""
+    from . import numpy_stats
+    from .cpu_runtime import workers
+
+    p = sp.scores
+    n_workers = workers() if p.workers is None else p.workers
+    result = numpy_stats.finished(row_state(sp, n_workers), p.batch_shape + (p.lq,))
+    result.update(received=None, weights=None)
+    if sp.received:
+        result["received"] = received(p, result["lse"], sp.query_weights, n_workers)
+    if sp.rows is not None:
+        result["weights"] = weights_of_rows(p, result["lse"], np.asarray(sp.rows), n_workers)
+    return result
+
+
+def row_state(sp: StatsProblem, n_workers=None):
+    """Pass 1 of the statistics of a packed problem (:func:`.numpy_stats.row_state` per
+    group): the :class:`.numpy_stats.RowState` of every packed query, rows in C order of
+    ``S + (total_q,)``, key indices those of the packed keys; a query of a sequence without
+    keys (or of no group) keeps the state of a row that saw nothing."""
+    from . import numpy_stats
+
+    p = sp.scores
+    batch = p.batch_shape
+    state = numpy_stats.RowState(math.prod(batch) * p.lq, sp.top_k, p.acc_dtype, sp.entropy)
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        part = numpy_stats.row_state(dataclasses.replace(
+            sp, scores=sub, received=False, query_weights=None, rows=None), n_workers)
+        # a sequence's key j is packed key cu_seqlens_k[b] + j
+        first_key = p.cu_seqlens_k[list(g.sequences)][:, None]            # (G, 1)
+        shift = np.broadcast_to(first_key, batch + (len(g.sequences), g.lq)).reshape(-1)
+        part.arg = np.where(part.arg < 0, -1, part.arg + shift)
+        part.top_i = np.where(part.top_i < 0, -1, part.top_i + shift[:, None])
+        place_rows(state, part, batch, p.lq, g.index_q.reshape(-1))
+    return state
+
+
+def place_rows(state, part, batch, n_rows, rows) -> None:
+    """Write the :class:`.numpy_stats.RowState` ``part`` (rows in C order of ``batch +
+    (m,)``) into rows ``rows`` (an index array or a slice of ``m`` rows) of ``state`` (rows
+    in C order of ``batch + (n_rows,)``)."""
+    elements = math.prod(batch)
+    if not elements:
+        return
+    count = part.m.shape[0] // elements
+    where = (slice(None),) * len(batch) + (rows,)
+    for name in ("m", "l", "u", "arg", "top_s", "top_i"):
+        target = getattr(state, name)
+        if target is None:
+            continue
+        tail = target.shape[1:]
+        view = target.reshape(batch + (n_rows,) + tail)      # contiguous: a view
+        view[where] = getattr(part, name).reshape(batch + (count,) + tail)
+
+
+def received(p: Problem, lse, query_weights, n_workers):
+    """``sum_i w_i P_ij`` of the packed problem ``p`` with its queries' ``lse`` (``S +
+    (total_q,)``): ``S + (total_k,)`` in the accumulation dtype, by
+    :func:`.numpy_stats.received` per group; keys of a sequence without queries get 0."""
+    from . import numpy_stats
+
+    batch = p.batch_shape
+    out = np.zeros(batch + (p.lk,), dtype=p.acc_dtype)
+    for g in groups(p):
+        weights = None if query_weights is None else _gather(query_weights, g.index_q, batch)
+        got = numpy_stats.received(_sub_problem(p, g), _gather(lse, g.index_q, batch), weights,
+                                   n_workers)
+        real = (np.arange(g.lk) < g.lengths_k[:, None]).reshape(-1)
+        out[..., g.index_k.reshape(-1)[real]] = got.reshape(batch + (-1,))[..., real]
+    return out
+
+
+def weights_of_rows(p: Problem, lse, rows, n_workers):
+    """Rows ``rows`` (1-D, in ``[0, total_q)``) of ``P`` of the packed problem ``p`` with
+    its queries' ``lse``: ``S + (len(rows), total_k)``, each row over its own sequence's keys
+    (0 elsewhere), by :func:`.numpy_stats.weights_of_rows` per sequence that holds a row."""
+    from . import numpy_stats
+
+    batch = p.batch_shape
+    out = np.zeros(batch + (rows.size, p.lk), dtype=p.acc_dtype)
+    cq = p.cu_seqlens_q
+    for g in groups(p):
+        sub = _sub_problem(p, g)
+        for member, b in enumerate(g.sequences):
+            where = np.flatnonzero((rows >= cq[b]) & (rows < cq[b + 1]))
+            if not where.size:
+                continue
+            got = numpy_stats.weights_of_rows(
+                _member(sub, member, batch), _gather(lse, g.index_q[member:member + 1], batch)[
+                    ..., 0, :], rows[where] - cq[b], n_workers)
+            length, start = int(g.lengths_k[member]), int(p.cu_seqlens_k[b])
+            out[..., where, start:start + length] = got[..., :length]
+    return out
+
+
+def _member(sub, member, batch):
+    """The problem of one sequence (``member``) of a group's problem ``sub``."""
+    def take(x, tail):
+        return None if x is None else x[(Ellipsis, member) + (slice(None),) * tail]
+
+    return dataclasses.replace(
+        sub, batch_shape=batch, q=take(sub.q, 2), k=take(sub.k, 2), v=take(sub.v, 2),
+        rel_q=take(sub.rel_q, 2), kv_lengths=take(sub.kv_lengths, 0),
+        alibi_slopes=take(sub.alibi_slopes, 0), rel_bias=take(sub.rel_bias, 1),
+        rel_k=take(sub.rel_k, 2))

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import arguments, features, heuristics, softmax_plan
+from . import arguments, features, heuristics, softmax_plan, stats_plan
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
 from .specs import (SOFTMAX_MODES, AttentionBwdMmaSpec, AttentionBwdSimtSpec, AttentionMmaSpec,
-                    AttentionSimtSpec, SoftmaxSpec, acc_name, bwd_bias_tile)
+                    AttentionSimtSpec, AttentionStatsSpec, SoftmaxSpec, acc_name,
+                    bwd_bias_tile)
 
 __all__ = ["FAMILIES", "Family", "backward_family", "entries_of", "files_of", "forward_families",
            "get", "of", "listing_specs", "plan_attention", "select_forward"]
@@ -281,6 +282,33 @@ def _softmax_listing(arch: str = DEFAULT_ARCH) -> list:
             for mode in SOFTMAX_MODES for mask in (False, True)]
 
 
+def _stats(dtype, d, *, arch, features=(), top_k=True):
+    dr = LISTING_DR if "rel_qk" in features else 0
+    try:
+        rows, keys = stats_plan.choose_stats_tiles(dtype, d, 4096, nbatch=32, arch=arch, dr=dr)
+    except ValueError:
+        return None   # does not fit this arch's shared memory: the planner refuses it too
+    return AttentionStatsSpec(dtype=dtype, acc=acc_name(dtype), d=d, warps=stats_plan.WARPS,
+                              rows_per_warp=rows, keys_per_lane=keys, top_k=top_k,
+                              features=features, dr=dr)
+
+
+def _stats_listing(arch: str = DEFAULT_ARCH) -> list:
+    """Statistics family (every arch): every dtype x D in {32, 64, 128, 256} with the top-k
+    selection, float32 D = 64 without it and with each option alone, every option together
+    (with either soft cap) for float32 and float16 at D = 64 and float64 at D = 128."""
+    names = _names(AttentionStatsSpec.family)
+    specs = [_stats(dtype, d, arch=arch) for dtype in ("float16", "bfloat16", "float32",
+                                                       "float64") for d in (32, 64, 128, 256)]
+    specs.append(_stats("float32", 64, arch=arch, top_k=False))
+    for name in names:
+        specs.append(_stats("float32", 64, arch=arch, features=_alone(name)))
+    for dtype, d in (("float32", 64), ("float16", 64), ("float64", 128)):
+        for together in _together(names):
+            specs.append(_stats(dtype, d, arch=arch, features=together))
+    return specs
+
+
 # --------------------------------------------------------------------------------------------
 # the registry
 
@@ -328,13 +356,20 @@ SOFTMAX = Family(
     spec=SoftmaxSpec, planner=softmax_plan.plan_softmax, arguments=arguments.softmax_arguments,
     listing=_softmax_listing,
 )
+ATTENTION_STATS = Family(
+    name=AttentionStatsSpec.family, source="attention_stats.cu",
+    headers=(COMMON_HEADER, "attention_score.cuh"), entries=tuple(stats_plan.STATS_ENTRIES),
+    spec=AttentionStatsSpec, planner=stats_plan.plan_stats,
+    arguments=stats_plan.stats_arguments, listing=_stats_listing,
+)
 
 #: Every kernel family, in listing order.
 FAMILIES = (ATTENTION_FWD_SIMT, ATTENTION_FWD_MMA, ATTENTION_COMBINE, ATTENTION_BWD_SIMT,
-            ATTENTION_BWD_MMA, SOFTMAX)
+            ATTENTION_BWD_MMA, SOFTMAX, ATTENTION_STATS)
 _BY_NAME = {f.name: f for f in FAMILIES}
 assert set(features.FORWARD_FAMILIES) == {f.name for f in FAMILIES if f.runs is not None}
 assert set(features.BACKWARD_FAMILIES) == {ATTENTION_BWD_SIMT.name, ATTENTION_BWD_MMA.name}
+assert set(features.STATS_FAMILIES) == {ATTENTION_STATS.name}
 
 
 def get(name: str) -> Family:

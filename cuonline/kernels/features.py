@@ -25,6 +25,8 @@ __all__ = ["BACKWARD_FAMILIES", "BACKWARD_FEATURES", "FEATURES", "FORWARD_FAMILI
 #: registered.
 FORWARD_FAMILIES = ("attention_fwd_simt", "attention_fwd_mma")
 BACKWARD_FAMILIES = ("attention_bwd_simt", "attention_bwd_mma")
+#: The family of :func:`cuonline.attention_stats` (issue 21): every score option's row names it.
+STATS_FAMILIES = ("attention_stats",)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class Feature:
     arguments : tuple of str
         The kernel parameters that carry its data (names as in the families' signatures).
     families : tuple of str
-        The forward kernel families that support it.
+        The forward kernel families that support it, and ``attention_stats`` where the
+        statistics kernels do (every score term; not ``return_lse``).
     backward_families : tuple of str
         The backward kernel families that support it (its gradient, or none for a term that
         has none): the score pipeline's terms both, ``softcap_bias`` the SIMT one,
@@ -56,7 +59,7 @@ class Feature:
     of_problem: Callable
     define: str
     arguments: tuple
-    families: tuple = FORWARD_FAMILIES
+    families: tuple = FORWARD_FAMILIES + STATS_FAMILIES
     requires: tuple = ()
     backward_families: tuple = BACKWARD_FAMILIES
 
@@ -87,12 +90,13 @@ FEATURES = (
     Feature("softcap_bias", lambda p: p.softcap_bias, "CUONLINE_SOFTCAP_BIAS", ("softcap",),
             requires=("softcap",), backward_families=("attention_bwd_simt",)),
     Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",),
-            backward_families=()),
+            families=FORWARD_FAMILIES, backward_families=()),
     # a packed variable-length batch (cu_seqlens_q/k): a block -> (sequence, query tile) table
     # (the backward's dK/dV kernel: (sequence, key tile)) and per-sequence lengths, diagonals
     # and first rows (cuonline/kernels/varlen.py); no key split
     Feature("varlen", lambda p: getattr(p, "cu_seqlens_q", None) is not None,
-            "CUONLINE_VARLEN", ("varlen_tiles", "varlen_seqs", "varlen_n_tiles")),
+            "CUONLINE_VARLEN", ("varlen_tiles", "varlen_seqs", "varlen_n_tiles"),
+            families=FORWARD_FAMILIES),
 )
 
 #: Rows that change the launch's layout rather than add a score term: listed in variants of
@@ -155,4 +159,23 @@ def backward_of_problem(problem) -> tuple:
         raise ValueError(f"the CUDA engine's attention backward (kernel family "
                          f"{BACKWARD_FAMILIES[0]!r}) does not support {', '.join(missing)} yet; "
                          f"use backend='numpy' for these gradients")
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# the statistics of the attention weights (issue 21)
+
+__all__ += ["STATS_FAMILIES", "stats_of_problem"]
+
+
+def stats_of_problem(problem) -> tuple:
+    """Names of the features the statistics kernels need for the score options of
+    ``problem`` (the :class:`cuonline._validate.Problem` of a ``StatsProblem``), in key order;
+    ValueError naming those the family does not support."""
+    names = tuple(f.name for f in FEATURES if f.name != "return_lse" and f.of_problem(problem))
+    missing = [n for n in names if STATS_FAMILIES[0] not in _BY_NAME[n].families]
+    if missing:
+        raise ValueError(f"the CUDA engine's attention_stats (kernel family "
+                         f"{STATS_FAMILIES[0]!r}) does not support {', '.join(missing)} yet; "
+                         f"use backend='numpy'")
     return names

@@ -649,3 +649,97 @@ class AttentionBwdMmaSpec(AttentionSpec):
     def _tile_defines(self) -> dict:
         return {"CUONLINE_BLOCK_C": self.block_c, "CUONLINE_CP_ASYNC": int(self.cp_async),
                 "CUONLINE_WRITE_DS": int(self.write_ds)}
+
+
+# --------------------------------------------------------------------------------------------
+# the statistics of the attention weights (issue 21): attention_stats
+
+__all__ += ["AttentionStatsSpec", "STATS_MAX_TOP_K"]
+
+#: Largest ``top_k`` the CUDA statistics kernels keep (one entry per lane of a warp).
+STATS_MAX_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class AttentionStatsSpec(AttentionSpec):
+    """One variant of the statistics family ``attention_stats``
+    (``kernels_cu/attention_stats.cu``: pass 1, the key-owned ``received`` pass and the rows of
+    ``P``, three kernels in one module).
+
+    Attributes
+    ----------
+    dtype, acc : str
+        Element and accumulation dtype names.
+    d : int
+        Head dimension of q and k (1..256).
+    warps, rows_per_warp, keys_per_lane : int
+        Block shape: a block owns ``block_m = warps * rows_per_warp`` rows (queries in pass 1
+        and the rows kernel, keys in the ``received`` pass) and streams tiles of ``block_n =
+        32 * keys_per_lane`` rows of the other kind.
+    top_k : bool
+        Pass 1 keeps the running top-k selection (up to :data:`STATS_MAX_TOP_K` keys; the
+        number is a kernel argument).
+    features, dr
+        Keyword-only: the score options compiled in (the rows of
+        :data:`cuonline.kernels.features.FEATURES` whose ``families`` name ``attention_stats``)
+        and the width of rel_q / rel_k. ``split`` is always False.
+    """
+
+    dtype: str
+    acc: str
+    d: int
+    warps: int
+    rows_per_warp: int
+    keys_per_lane: int
+    top_k: bool = False
+
+    family = "attention_stats"
+
+    def __post_init__(self):
+        self._check_simt_shape()
+        self._check_features(split=False)
+
+    @property
+    def dv(self) -> int:
+        """The kernels read no values; CUONLINE_DV is the head width (unused)."""
+        return self.d
+
+    @property
+    def block_m(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def block_n(self) -> int:
+        return 32 * self.keys_per_lane
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block, the largest of the three kernels (all launch
+        with it): the owned rows (block_m, d), a streamed tile (block_n, d + 1), the
+        ``received`` pass's lse and weights (block_n each), then with rel_qk the rel_q rows
+        (max(block_m, block_n)) and the rel_k band (block_m + block_n - 1), at dr + 1 per
+        row, in the accumulation type."""
+        m, n = self.block_m, self.block_n
+        rel = (max(m, n) + m + n - 1) * (self.dr + 1) if self.dr else 0
+        return (m * self.d + n * (self.d + 1) + 2 * n + rel) * self.acc_itemsize
+
+    @property
+    def key(self) -> str:
+        """Readable unique name, e.g. ``attention_stats_f32_d64_bm16_bn64_w4_topk_window``."""
+        parts = [self.family, dtype_tag(self.dtype), f"d{self.d}"]
+        parts += [f"dr{self.dr}"] if self.dr else []
+        parts += [f"bm{self.block_m}", f"bn{self.block_n}", f"w{self.warps}"]
+        if self.acc != acc_name(self.dtype):
+            parts.append(f"acc{dtype_tag(self.acc)}")
+        if self.top_k:
+            parts.append("topk")
+        return "_".join(parts + list(self.features))
+
+    def _tile_defines(self) -> dict:
+        return {"CUONLINE_ROWS_PER_WARP": self.rows_per_warp,
+                "CUONLINE_KEYS_PER_LANE": self.keys_per_lane,
+                "CUONLINE_STATS_TOP_K": int(self.top_k)}
