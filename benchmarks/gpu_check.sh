@@ -55,3 +55,8 @@ timeout 40 python benchmarks/gpu_bench.py --out "$out" --section backward --repe
 #    and the memory at 32768 keys (gpu_stats.md: the 8th file in $OUT)
 timeout 45 python benchmarks/bench_stats.py --backend cupy --sizes 1024 4096 8192 --repeat 3 \
   --out "$out" 2>&1 | tail -n 12
+# 5. packed variable-length batches (issue 20), at most 60 s: forward and backward of both
+#    families against the NumPy engine, then packed / padded / loop figures on ESM-2-like
+#    lengths; its report is appended to gpu_bench.md (the device tool returns 8 files)
+timeout 60 python benchmarks/gpu_varlen.py --out "$out" 2>&1 | tail -n 30
+cat "$out/gpu_varlen.md" >> "$out/gpu_bench.md" 2>/dev/null && rm -f "$out/gpu_varlen.md"

@@ -22,7 +22,8 @@ __all__ = ["attention", "attention_backward", "attention_stats", "attention_vjp"
 _ENGINES = {"numpy": "numpy", "cupy": "cuda", "emulate": "cuda"}
 _BACKWARD_ENGINES = {"numpy": "numpy_backward", "cupy": "cuda_backward",
                      "emulate": "cuda_backward"}
-#: packed variable-length batches (cu_seqlens): validation admits them on the NumPy engine only
+#: packed variable-length batches (cu_seqlens) on the NumPy engines: the varlen driver (the
+#: CUDA engine's kernels take them themselves)
 _VARLEN_ENGINE = "numpy_varlen"
 #: A NumPy, CuPy or Dask array (or anything the engine of the call converts: lists, scalars).
 Array = Any
@@ -160,8 +161,9 @@ def attention(
         `rel_bias` and `rel_q` (packed like `q`, ``S + (Lq, Dr)``) / `rel_k` apply per
         sequence. Empty sequences on either side are allowed. Any integer dtype and array
         library (read on the host). Work is ``sum_b len_q(b) * len_k(b)``. Not with `bias`,
-        `mask`, `bias_block` or `kv_lengths`; NumPy engine only, Dask arrays of NumPy
-        chunks included (docs/semantics.md, "Packed variable-length batches").
+        `mask`, `bias_block` or `kv_lengths`; the NumPy and CUDA engines run them, forward
+        and backward, Dask arrays of NumPy chunks included (docs/semantics.md, "Packed
+        variable-length batches").
     return_lse : bool, optional
         Also return the log-sum-exp of the visible scores of each query.
     precision : {"highest", "tf32"}, optional
@@ -210,9 +212,8 @@ def attention(
         inputs other than float32, ``workers=0`` or ``workers < -os.cpu_count()``, bad
         `cu_seqlens_q`/`cu_seqlens_k` (not 1-D, not from 0, decreasing, not ending at the
         packed length, of different counts, one without the other; a non-integer one is a
-        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`, or with the
-        ``"cupy"`` and ``"emulate"`` backends (no varlen kernels yet). Dask arrays take
-        packed batches chunked anywhere along the length axis (docs/scale.md).
+        TypeError), either with `bias`, `mask`, `bias_block` or `kv_lengths`. Dask arrays
+        take packed batches chunked anywhere along the length axis (docs/scale.md).
 
     See Also
     --------
@@ -280,7 +281,7 @@ def attention(
 def _engine(engines: dict, problem: Any) -> str:
     """The module under cuonline.engines that runs ``problem``, from ``engines`` (backend ->
     module) or, for a packed variable-length batch, the varlen driver (which does both)."""
-    if problem.cu_seqlens_q is not None:
+    if problem.cu_seqlens_q is not None and problem.backend == "numpy":
         return _VARLEN_ENGINE
     return engines[problem.backend]
 

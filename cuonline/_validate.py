@@ -430,7 +430,7 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     arrays = {n: x for n, x in o.arrays().items() if n not in CU_SEQLENS}
     xp = array_namespace(q=q, k=k, v=v, **arrays)
     backend = check_backend(o.backend, xp)
-    varlen = _check_varlen_options(o, backend)
+    varlen = _check_varlen_options(o)
     q, k, v = (_as_array(xp, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_matrix(q, "q", "Lq, D")
     _check_matrix(k, "k", "Lk, D")
@@ -579,10 +579,10 @@ CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 _NOT_WITH_VARLEN = ("bias", "mask", "bias_block", "kv_lengths")
 
 
-def _check_varlen_options(o: Options, backend: str) -> bool:
+def _check_varlen_options(o: Options) -> bool:
     """Whether the call is a packed variable-length batch: ``cu_seqlens_q`` and
     ``cu_seqlens_k`` given together, without the options that have no meaning across
-    sequences, on an engine that runs it."""
+    sequences."""
     given = [n for n in CU_SEQLENS if getattr(o, n) is not None]
     if not given:
         return False
@@ -599,12 +599,6 @@ def _check_varlen_options(o: Options, backend: str) -> bool:
                 f"packed sequences; got {name}={_describe(getattr(o, name))}. Use the "
                 f"per-sequence options (causal, window, alibi_slopes, rel_bias, rel_q/rel_k) "
                 f"or call without cu_seqlens on padded arrays")
-    if backend in _CUDA_BACKENDS:
-        raise ValueError(
-            f"packed variable-length batches (`cu_seqlens_q`, `cu_seqlens_k`) run on the "
-            f"NumPy engine only: the CUDA varlen kernels are not yet available "
-            f"(backend={backend!r}); pass NumPy arrays (cupy.asnumpy) with backend='auto' or "
-            f"'numpy'")
     return True
 
 

@@ -206,17 +206,19 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     const int g = lane / 4, t = lane % 4;
 
     // ---- which keys, and the queries that may see them (as attention_bwd_simt.cu)
-    const long long n_ktiles = (lk + kBlockR - 1) / kBlockR;
+    const KeyBlock kb = key_block<kBlockR>(lq, lk, diagonal_offset, varlen_key_tiles,
+                                           varlen_seqs, varlen_n_key_tiles);
     BlockRange range;
-    range.b = blockIdx.x / n_ktiles;
+    range.b = kb.b;
     const long long b = range.b;
-    const long long j0 = (blockIdx.x - b * n_ktiles) * kBlockR;
-    range.diag = diagonal_offset;
-    range.key_end = lk;
+    const long long j0 = kb.j0;
+    const int len_q = kb.lq, len_k = kb.lk;
+    range.diag = kb.diag;
+    range.key_end = len_k;
     if constexpr (kHasKvLengths) range.key_end = kv_lengths[b];  // clipped to [0, lk]
     range.j_lo = 0;
     range.j_hi = range.key_end;
-    long long i_lo = 0, i_hi = lq;  // query i sees key j only if i + diag - left <= j <= ...
+    long long i_lo = 0, i_hi = len_q;  // query i sees key j only if i + diag - left <= j <= ...
     if constexpr (kHasWindow) {
         if (j0 - range.diag - window_right > i_lo) i_lo = j0 - range.diag - window_right;
         if (j0 + kBlockR - range.diag + window_left < i_hi)
@@ -225,14 +227,15 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     range.i0 = i_lo;
     range.i_end = i_hi;
 
-    const long long* off = offsets + b * kOperands;
+    const long long* off = offsets + kb.ob * kOperands;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
     const T* do_b = dout + off[kDout];
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
-                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap,
+                                  alibi, bias, mask, off, strides, bias_block_rows,
+                                  bias_block_cols, rel_bias, rel_bias_radius, rel_q, rel_k,
+                                  rel_k_radius);
 
     const int warp_row = 16 * warp;   // the warp's first key in the block
     Acc dk_acc[kNd][4], dv_acc[kNdv][4];
@@ -252,14 +255,14 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
             //      tile alive until every warp has accumulated from it)
             __syncthreads();
             Tiles::load<LD, kBlockC, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0,
-                                              lq);
+                                              len_q);
             Tiles::load<LDv, kBlockC, kDv, kDvp>(sdO, do_b, strides[2 * kDout],
-                                                 strides[2 * kDout + 1], i0, lq);
+                                                 strides[2 * kDout + 1], i0, len_q);
             cp_async_commit();
             for (int idx = threadIdx.x; idx < kBlockC; idx += kThreads) {
                 const long long i = i0 + idx;
-                sLse[idx] = i < lq ? lse[b * lq + i] : neg_inf(Acc());
-                sDelta[idx] = i < lq ? delta[b * lq + i] : Acc(0);
+                sLse[idx] = i < len_q ? lse[b * lq + kb.q_start + i] : neg_inf(Acc());
+                sDelta[idx] = i < len_q ? delta[b * lq + kb.q_start + i] : Acc(0);
             }
             int band_lo = 0;  // rel_k rows [band_lo, band_lo + count) of this tile
             if constexpr (kHasRelQk) {
@@ -312,8 +315,8 @@ cuonline_attention_bwd_mma_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     }
 
     // ---- write dK and dV of the block's keys (zero for keys nothing sees)
-    write_tile<kD>(dk, dk_acc, b * lk, j0 + warp_row, lk);
-    write_tile<kDv>(dv, dv_acc, b * lk, j0 + warp_row, lk);
+    write_tile<kD>(dk, dk_acc, b * lk + kb.k_start, j0 + warp_row, len_k);
+    write_tile<kDv>(dv, dv_acc, b * lk + kb.k_start, j0 + warp_row, len_k);
 }
 
 // dQ of one tile of queries, and the gradients of its logits (kWriteDs: dS; the reduced ones).
@@ -339,19 +342,25 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     const int g = lane / 4, t = lane % 4;
 
     // ---- which queries, and which keys may be visible to them (attention_score.cuh)
-    const BlockRange range = block_range<kBlockR>(lq, lk, diagonal_offset, kv_lengths,
-                                                  window_left, window_right, lk);
+    //      (packed: of the block's sequence, local indices; q_row0: the row of its query 0
+    //      in the (nbatch, lq) buffers)
+    const BlockRange range = forward_block_range<kBlockR>(
+        lq, lk, diagonal_offset, kv_lengths, window_left, window_right, lk, varlen_tiles,
+        varlen_seqs, varlen_n_tiles);
     const long long b = range.b, i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
+    const int len_q = range.lq, len_k = range.lk;
+    const long long q_row0 = b * lq + range.q_start;
 
-    const long long* off = offsets + b * kOperands;
+    const long long* off = offsets + range.ob * kOperands;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
     const T* do_b = dout + off[kDout];
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
-                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap,
+                                  alibi, bias, mask, off, strides, bias_block_rows,
+                                  bias_block_cols, rel_bias, rel_bias_radius, rel_q, rel_k,
+                                  rel_k_radius);
 
     const int warp_row = 16 * warp;   // the warp's first query in the block
     Acc dq_acc[kNd][4];
@@ -361,15 +370,16 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const long long i = i0 + warp_row + g + 8 * h;
-        row_lse[h] = i < lq ? lse[b * lq + i] : neg_inf(Acc());
-        row_delta[h] = i < lq ? delta[b * lq + i] : Acc(0);
+        row_lse[h] = i < len_q ? lse[q_row0 + i] : neg_inf(Acc());
+        row_delta[h] = i < len_q ? delta[q_row0 + i] : Acc(0);
     }
 
     if (j_lo < j_hi) {
         // ---- the block's queries and output gradients, in the first key tile's copy group
-        Tiles::load<LD, kBlockR, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
+        Tiles::load<LD, kBlockR, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0,
+                                          len_q);
         Tiles::load<LDv, kBlockR, kDv, kDvp>(sdO, do_b, strides[2 * kDout],
-                                             strides[2 * kDout + 1], i0, lq);
+                                             strides[2 * kDout + 1], i0, len_q);
         if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockR);
 
         const long long j_first = (j_lo / kBlockC) * kBlockC;
@@ -422,7 +432,7 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[n][e] = logit_grads(p, dp[n][e], row_delta[h], x, s[n][e], rel, scale,
                                            softcap, g_bias, g_content);
-                    const bool inside = i < lq && j < lk;
+                    const bool inside = i < len_q && j < len_k;
                     if constexpr (kWriteDs) {
                         if (inside) ds[(b * lq + i) * lk + j] += g_bias;
                     }
@@ -438,23 +448,23 @@ cuonline_attention_bwd_mma_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
                 tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, len_q, len_k, range.diag,
                     bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
-                    drel_bias, drel_q, drel_k);
+                    drel_bias, drel_q, drel_k, q_row0, range.slot);
             }
         }
     }
 
     // ---- write dQ of the block's queries (zero for a query that sees no key), and each row's
     //      sum of P over the 4 lanes of its quad (shfl_xor 1, 2: every lane gets the same sum)
-    write_tile<kD>(dq, dq_acc, b * lq, i0 + warp_row, lq);
+    write_tile<kD>(dq, dq_acc, q_row0, i0 + warp_row, len_q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         Acc sum = row_sum[h];
         sum += __shfl_xor_sync(CUONLINE_FULL_MASK, sum, 1);
         sum += __shfl_xor_sync(CUONLINE_FULL_MASK, sum, 2);
         const long long i = i0 + warp_row + g + 8 * h;
-        if (t == 0 && i < lq) row_sums[b * lq + i] = sum;
+        if (t == 0 && i < len_q) row_sums[q_row0 + i] = sum;
     }
 }
 

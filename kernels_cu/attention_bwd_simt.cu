@@ -133,19 +133,21 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    // ---- which keys, and the queries that may see them
-    const long long n_ktiles = (lk + kBlockR - 1) / kBlockR;
+    // ---- which keys, and the queries that may see them (packed: of the block's sequence)
+    const KeyBlock kb = key_block<kBlockR>(lq, lk, diagonal_offset, varlen_key_tiles,
+                                           varlen_seqs, varlen_n_key_tiles);
     BlockRange range;
-    range.b = blockIdx.x / n_ktiles;
+    range.b = kb.b;
     const long long b = range.b;
-    const long long j0 = (blockIdx.x - b * n_ktiles) * kBlockR;
-    range.diag = diagonal_offset;
-    range.key_end = lk;
+    const long long j0 = kb.j0;
+    const int len_q = kb.lq, len_k = kb.lk;
+    range.diag = kb.diag;
+    range.key_end = len_k;
     if constexpr (kHasKvLengths) range.key_end = kv_lengths[b];  // clipped to [0, lk]
     range.j_lo = 0;
     range.j_hi = range.key_end;
     // query i sees key j only if i + diag - left <= j <= i + diag + right
-    long long i_lo = 0, i_hi = lq;
+    long long i_lo = 0, i_hi = len_q;
     if constexpr (kHasWindow) {
         if (j0 - range.diag - window_right > i_lo) i_lo = j0 - range.diag - window_right;
         if (j0 + kBlockR - range.diag + window_left < i_hi)
@@ -154,14 +156,15 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
     range.i0 = i_lo;
     range.i_end = i_hi;
 
-    const long long* off = offsets + b * kOperands;
+    const long long* off = offsets + kb.ob * kOperands;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
     const T* do_b = dout + off[kDout];
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
-                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap,
+                                  alibi, bias, mask, off, strides, bias_block_rows,
+                                  bias_block_cols, rel_bias, rel_bias_radius, rel_q, rel_k,
+                                  rel_k_radius);
 
     Acc dk_acc[kRows][kColsD], dv_acc[kRows][kColsDv];
 #pragma unroll
@@ -182,13 +185,13 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
             // ---- stage a query tile: q, dO, lse, Delta (the barrier also keeps the previous
             //      tile alive until every warp has accumulated from it)
             __syncthreads();
-            stage<kBlockC, kD, kLdD>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
+            stage<kBlockC, kD, kLdD>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, len_q);
             stage<kBlockC, kDv, kLdDv>(sdO, do_b, strides[2 * kDout], strides[2 * kDout + 1], i0,
-                                       lq);
+                                       len_q);
             for (int idx = threadIdx.x; idx < kBlockC; idx += kThreads) {
                 const long long i = i0 + idx;
-                sLse[idx] = i < lq ? lse[b * lq + i] : neg_inf(Acc());
-                sDelta[idx] = i < lq ? delta[b * lq + i] : Acc(0);
+                sLse[idx] = i < len_q ? lse[b * lq + kb.q_start + i] : neg_inf(Acc());
+                sDelta[idx] = i < len_q ? delta[b * lq + kb.q_start + i] : Acc(0);
             }
             int band_lo = 0;  // rel_k rows [band_lo, band_lo + count) of this tile
             if constexpr (kHasRelQk) {
@@ -288,8 +291,8 @@ cuonline_attention_bwd_dkdv(CUONLINE_ATTENTION_BWD_PARAMS)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
         const long long j = j0 + warp * kRows + r;
-        if (j >= lk) continue;
-        const long long row = b * lk + j;
+        if (j >= len_k) continue;
+        const long long row = b * lk + kb.k_start + j;
 #pragma unroll
         for (int c = 0; c < kColsD; ++c) {
             const int col = lane + 32 * c;
@@ -325,19 +328,25 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     const int lane = threadIdx.x % 32;
 
     // ---- which queries, and which keys may be visible to them (attention_score.cuh)
-    const BlockRange range = block_range<kBlockR>(lq, lk, diagonal_offset, kv_lengths,
-                                                  window_left, window_right, lk);
+    //      (packed: of the block's sequence, local indices; q_row0: the row of its query 0
+    //      in the (nbatch, lq) buffers)
+    const BlockRange range = forward_block_range<kBlockR>(
+        lq, lk, diagonal_offset, kv_lengths, window_left, window_right, lk, varlen_tiles,
+        varlen_seqs, varlen_n_tiles);
     const long long b = range.b, i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
+    const int len_q = range.lq, len_k = range.lk;
+    const long long q_row0 = b * lq + range.q_start;
 
-    const long long* off = offsets + b * kOperands;
+    const long long* off = offsets + range.ob * kOperands;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
     const T* do_b = dout + off[kDout];
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
-                                  bias, mask, off, strides, bias_block_rows, bias_block_cols,
-                                  rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap,
+                                  alibi, bias, mask, off, strides, bias_block_rows,
+                                  bias_block_cols, rel_bias, rel_bias_radius, rel_q, rel_k,
+                                  rel_k_radius);
 
     Acc dq_acc[kRows][kColsD];
     Acc row_lse[kRows], row_delta[kRows];
@@ -348,14 +357,15 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
 #pragma unroll
         for (int c = 0; c < kColsD; ++c) dq_acc[r][c] = Acc(0);
         const long long i = i0 + warp * kRows + r;
-        row_lse[r] = i < lq ? lse[b * lq + i] : neg_inf(Acc());
-        row_delta[r] = i < lq ? delta[b * lq + i] : Acc(0);
+        row_lse[r] = i < len_q ? lse[q_row0 + i] : neg_inf(Acc());
+        row_delta[r] = i < len_q ? delta[q_row0 + i] : Acc(0);
     }
 
     if (j_lo < j_hi) {
         // ---- stage the block's queries and their output gradients once
-        stage<kBlockR, kD, kD>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
-        stage<kBlockR, kDv, kDv>(sdO, do_b, strides[2 * kDout], strides[2 * kDout + 1], i0, lq);
+        stage<kBlockR, kD, kD>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, len_q);
+        stage<kBlockR, kDv, kDv>(sdO, do_b, strides[2 * kDout], strides[2 * kDout + 1], i0,
+                                 len_q);
         if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockR);
 
         for (long long j0 = (j_lo / kBlockC) * kBlockC; j0 < j_hi; j0 += kBlockC) {
@@ -418,7 +428,7 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
                     Acc g_bias, g_content;
                     dp[r][t] = logit_grads(p, dp[r][t], row_delta[r], x, s[r][t], rel, scale,
                                            softcap, g_bias, g_content);
-                    const bool inside = i < lq && j < lk;
+                    const bool inside = i < len_q && j < len_k;
                     if constexpr (kWriteDs) {
                         if (inside) ds[(b * lq + i) * lk + j] += g_bias;
                     }
@@ -455,9 +465,9 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
             if constexpr (kBiasTile || kHasRelQk) {
                 __syncthreads();
                 tile_partials<kBlockR, kBlockC, kLdG, kThreads>(
-                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, lq, lk, diagonal_offset,
+                    sGb, sGc, sRq, sRk, pipe, b, i0, j0, len_q, len_k, range.diag,
                     bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius, ds,
-                    drel_bias, drel_q, drel_k);
+                    drel_bias, drel_q, drel_k, q_row0, range.slot);
             }
         }
     }
@@ -468,12 +478,12 @@ cuonline_attention_bwd_dq(CUONLINE_ATTENTION_BWD_PARAMS)
     for (int r = 0; r < kRows; ++r) {
         const long long i = i0 + warp * kRows + r;
         const Acc sum = warp_sum(row_sum[r]);
-        if (i >= lq) continue;
-        if (lane == 0) row_sums[b * lq + i] = sum;
+        if (i >= len_q) continue;
+        if (lane == 0) row_sums[q_row0 + i] = sum;
 #pragma unroll
         for (int c = 0; c < kColsD; ++c) {
             const int col = lane + 32 * c;
-            if (col < kD) dq[(b * lq + i) * kD + col] = dq_acc[r][c];
+            if (col < kD) dq[(q_row0 + i) * kD + col] = dq_acc[r][c];
         }
     }
 }

@@ -171,19 +171,21 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
     const int g = lane / 4, t = lane % 4;
 
     // ---- which queries, and which keys may be visible to them (attention_score.cuh)
-    const BlockRange range =
-        block_range<kBlockM>(lq, lk, diagonal_offset, kv_lengths, window_left, window_right,
-                             split_keys);
-    const long long b = range.b, i0 = range.i0;
+    const BlockRange range = forward_block_range<kBlockM>(
+        lq, lk, diagonal_offset, kv_lengths, window_left, window_right, split_keys,
+        varlen_tiles, varlen_seqs, varlen_n_tiles);
+    const long long i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
+    // the block's queries: lq, or those of its sequence in a packed batch (local indices)
+    const int len_q = range.lq;
 
-    const long long* off = offsets + b * kCount;
+    const long long* off = offsets + range.ob * kCount;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
     // visibility and the score transform (scores in natural units)
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap, alibi,
                                   bias, mask, off, strides, bias_block_rows, bias_block_cols,
                                   rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
 
@@ -204,7 +206,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         const long long rs_v = strides[2 * kV], cs_v = strides[2 * kV + 1];
 
         // ---- prologue: Q in its own group, then the first kStages - 1 K/V tiles
-        Tiles::load<LQK, kBlockM, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, lq);
+        Tiles::load<LQK, kBlockM, kD, kDp>(sQ, q_b, strides[2 * kQ], strides[2 * kQ + 1], i0, len_q);
         cp_async_commit();
         // visible after the first barrier below, like Q
         if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockM);
@@ -400,7 +402,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
     //      decides for its own columns.
     auto recompute_output = [&](long long i, Acc m, Acc l_total) {
         const long long* const st = opaque(strides);
-        const long long* const of = opaque(offsets) + b * kCount;
+        const long long* const of = opaque(offsets) + range.ob * kCount;
         // mask and bias read through the same opaque tables
         const ScorePipeline<Acc> row_pipe = pipe.rebased(of, st);
         const T* const q_b = q + of[kQ];
@@ -441,7 +443,7 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         const Acc inv = Acc(1) / l_total;  // as SoftmaxState::finalize
 #pragma unroll
         for (int c = 0; c < 2 * kNv; ++c) o[c] *= inv;
-        write_lane_row(output_row<kBlockM>(b, i, lq), o);
+        write_lane_row(output_row<kBlockM>(range, i, lq), o);
     };
 
     // ---- finalize: sum the quad's shares of l, normalise, write out (and lse)
@@ -454,12 +456,12 @@ cuonline_attention_mma(CUONLINE_ATTENTION_PARAMS(cuonline::mma::OutT))
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 1);
         l_total += __shfl_xor_sync(CUONLINE_FULL_MASK, l_total, 2);
         // l_total > 0: the row sees a key and no score is NaN (else the row is 0, or NaN, as is)
-        slow[r] = i < lq && l_total > Acc(0) && !all_finite(state[r].o);
+        slow[r] = i < len_q && l_total > Acc(0) && !all_finite(state[r].o);
         slow_m[r] = state[r].m;
         slow_l[r] = l_total;
         const Acc row_lse = state[r].finalize(l_total);
-        if (i >= lq) continue;
-        const long long row = output_row<kBlockM>(b, i, lq);
+        if (i >= len_q) continue;
+        const long long row = output_row<kBlockM>(range, i, lq);
         write_lane_row(row, state[r].o);
         if constexpr (kWritesLse) {
             if (t == 0) lse[row] = row_lse;

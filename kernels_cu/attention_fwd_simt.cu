@@ -114,19 +114,21 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
     const int lane = threadIdx.x % 32;
 
     // ---- which queries, and which keys may be visible to them (attention_score.cuh)
-    const BlockRange range =
-        block_range<kBlockM>(lq, lk, diagonal_offset, kv_lengths, window_left, window_right,
-                             split_keys);
-    const long long b = range.b, i0 = range.i0;
+    const BlockRange range = forward_block_range<kBlockM>(
+        lq, lk, diagonal_offset, kv_lengths, window_left, window_right, split_keys,
+        varlen_tiles, varlen_seqs, varlen_n_tiles);
+    const long long i0 = range.i0;
     const long long key_end = range.key_end, j_lo = range.j_lo, j_hi = range.j_hi;
+    // the block's queries: lq, or those of its sequence in a packed batch (local indices)
+    const int len_q = range.lq;
 
-    const long long* off = offsets + b * kCount;
+    const long long* off = offsets + range.ob * kCount;
     const T* q_b = q + off[kQ];
     const T* k_b = k + off[kK];
     const T* v_b = v + off[kV];
 
     // visibility and the score transform (scores in natural units)
-    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
+    const ScorePipeline<Acc> pipe(range, len_q, window_left, window_right, scale, softcap, alibi,
                                   bias, mask, off, strides, bias_block_rows, bias_block_cols,
                                   rel_bias, rel_bias_radius, rel_q, rel_k, rel_k_radius);
 
@@ -140,7 +142,7 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
             const int r = idx / kD;
             const int c = idx - r * kD;
             const long long i = i0 + r;
-            sQ[idx] = i < lq ? to_acc(q_b[i * strides[2 * kQ] + c * strides[2 * kQ + 1]]) : Acc(0);
+            sQ[idx] = i < len_q ? to_acc(q_b[i * strides[2 * kQ] + c * strides[2 * kQ + 1]]) : Acc(0);
         }
         if constexpr (kHasRelQk) pipe.stage_rel_q<kThreads>(sRq, i0, kBlockM);
 
@@ -280,8 +282,8 @@ cuonline_attention_fwd(CUONLINE_ATTENTION_PARAMS(cuonline::fwd::OutT))
         const long long i = i0 + warp * kRows + r;
         const Acc l_total = warp_sum(state[r].l);
         const Acc row_lse = state[r].finalize(l_total);
-        if (i >= lq) continue;
-        const long long row = output_row<kBlockM>(b, i, lq);
+        if (i >= len_q) continue;
+        const long long row = output_row<kBlockM>(range, i, lq);
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
             const int col = lane + 32 * c;

@@ -52,12 +52,62 @@ __device__ __forceinline__ Acc logit_grads(Acc p, Acc dp, Acc delta, Acc s, Acc 
     return g * scale;
 }
 
+// ---- the block of a dK/dV kernel: the keys [j0, j0 + kBlockR) of batch element b
+//      (grid.x = nbatch * n_key_tiles), or, in a packed batch, of the key tile its entry of
+//      varlen_key_tiles gives (grid.x = n_key_tiles * nbatch, tile-major, as the forward's
+//      varlen_block_range), with its sequence's lengths, diagonal and first rows.
+struct KeyBlock {
+    long long b;       // batch element
+    long long ob;      // its row of the offset table (packed: of its sequence in b)
+    long long j0;      // first key of the block (local to the sequence)
+    int lq, lk;        // lengths: lq, lk, or the sequence's
+    long long diag;    // the key facing query 0
+    // the sequence's first query and key rows (0 unpacked): query i's row in the (nbatch, lq)
+    // buffers (lse, delta) is b * lq + q_start + i, key j's in the (nbatch, lk) ones (dk, dv)
+    // b * lk + k_start + j (formed where used: held, the products cost registers)
+    long long q_start, k_start;
+};
+
+template <int kBlockR>
+__device__ __forceinline__ KeyBlock key_block(int lq, int lk, long long diagonal_offset,
+                                              const int* __restrict__ key_tiles,
+                                              const long long* __restrict__ seqs,
+                                              int n_key_tiles) {
+    KeyBlock r;
+    if constexpr (kVarlen) {
+        const long long nbatch = gridDim.x / n_key_tiles;
+        const long long e = blockIdx.x / nbatch;
+        r.b = blockIdx.x - e * nbatch;
+        const long long s = key_tiles[2 * e];
+        const long long* seq = seqs + kSeqCols * s;
+        r.ob = s * nbatch + r.b;
+        r.j0 = (long long)key_tiles[2 * e + 1] * kBlockR;
+        r.lq = int(seq[1]);
+        r.lk = int(seq[2]);
+        r.diag = seq[3];
+        r.q_start = seq[0];
+        r.k_start = seq[4];
+    } else {
+        const long long n_ktiles = (lk + kBlockR - 1) / kBlockR;
+        r.b = blockIdx.x / n_ktiles;
+        r.ob = r.b;
+        r.j0 = (blockIdx.x - r.b * n_ktiles) * kBlockR;
+        r.lq = lq;
+        r.lk = lk;
+        r.diag = diagonal_offset;
+        r.q_start = 0;
+        r.k_start = 0;
+    }
+    return r;
+}
+
 // ---- the relative gradients of one tile, reduced in the kernel (no (lq, lk) workspace)
 //
 // The dQ kernels leave a tile's gradients in shared memory (rows: the queries [i0, i0 + kM),
 // columns: the keys [j0, j0 + kN), row stride kLd, 0 outside (lq, lk)): sGb the bias-type
-// ones (dS: rel_bias, block bias), sGc the content ones (dC). A block owns its query tile's slice of the partials,
-// so its key tiles add into it one after another (one thread per element between barriers):
+// ones (dS: rel_bias, block bias), sGc the content ones (dC). A block owns its query tile's
+// slice of the partials, so its key tiles add into it one after another (one thread per
+// element between barriers):
 // a fixed order, no atomics. The host sums the query tiles' partials (drel_q needs none).
 
 // The columns [c_lo, c_hi] of the tile where query i's distance clamps to entry e of a table of
@@ -171,15 +221,18 @@ __device__ __forceinline__ void rel_qk_partials(const Acc* sGc, const Acc* sRq, 
 // Every in-kernel reduction of the dQ kernel's tile (query tile i0 / kM of batch element b,
 // keys from j0), after the barrier that publishes sGb and sGc: a block bias's into its slot of
 // ds, rel_bias's into the tile's partials, rel_q's into its rows, rel_k's end rows into the
-// tile's partials (the rel_k band of the tile staged in sRk).
+// tile's partials (the rel_k band of the tile staged in sRk). lq, lk, diag: the block's
+// problem's (a packed batch: its sequence's); q_row0: the row of its query 0 in the
+// (nbatch, lq) buffers; slot: a packed batch's slot for the block in the per-query-tile
+// partials (one per entry of its table, BlockRange::slot).
 template <int kM, int kN, int kLd, int kThreads, class Acc>
 __device__ __forceinline__ void tile_partials(
     const Acc* sGb, const Acc* sGc, const Acc* sRq, const Acc* sRk,
     const ScorePipeline<Acc>& pipe, long long b, long long i0, long long j0, int lq, int lk,
     long long diag, int bias_rows, int bias_cols, int rel_bias_radius, int rel_k_radius,
-    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k) {
+    Acc* ds, Acc* drel_bias, Acc* drel_q, Acc* drel_k, long long q_row0, long long slot) {
     const int n_tiles = int((lq + (long long)kM - 1) / kM);
-    const long long tile = b * n_tiles + i0 / kM;
+    const long long tile = kVarlen ? slot : b * n_tiles + i0 / kM;
     if constexpr (kHasBiasBlock) {
         const int slots = block_bias_slots<kM>(bias_rows, n_tiles);
         const long long grad = ((lq + (long long)bias_rows - 1) / bias_rows) *
@@ -195,7 +248,7 @@ __device__ __forceinline__ void tile_partials(
         pipe.rel_k_band(i0, kM, j0, kN, band_lo, band_count);
         rel_qk_partials<kM, kN, kLd, kThreads>(sGc, sRq, sRk, pipe, lq, i0, j0, diag,
                                                rel_k_radius, band_lo, band_count,
-                                               drel_q + (b * lq + i0) * kDr,
+                                               drel_q + (q_row0 + i0) * kDr,
                                                drel_k + tile * 2 * kDr);
     }
 }
@@ -234,7 +287,11 @@ __device__ __forceinline__ void tile_partials(
         int lq, int lk, long long diagonal_offset, CUONLINE_ACC scale, CUONLINE_ACC softcap,  \
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
-        int rel_bias_radius, int rel_k_radius /* (Rb - 1) / 2, (Rk - 1) / 2 */
+        int rel_bias_radius, int rel_k_radius, /* (Rb - 1) / 2, (Rk - 1) / 2 */              \
+        const int* __restrict__ varlen_tiles,     /* packed: (n, 2) sequence, query tile */   \
+        const int* __restrict__ varlen_key_tiles, /* packed: (n_k, 2) sequence, key tile */   \
+        const long long* __restrict__ varlen_seqs, /* packed: (B, kSeqCols) */               \
+        int varlen_n_tiles, int varlen_n_key_tiles /* packed: rows of the two tables */
 
 namespace cuonline {
 
@@ -248,6 +305,80 @@ namespace cuonline {
 // kernel's (tile_partials). No shared memory and no block barrier: a warp past the table exits.
 constexpr int kRelkWarps = 4;  // cuonline/kernels/heuristics.py REL_K_THREADS = 32 kRelkWarps
 
+// One diagonal of rel_k's row e (distance dist) over the queries of one batch element or, in
+// a packed batch, of one sequence: acc (the lane's columns of Dr) += dC(i, i + diag + dist)
+// rel_q[i] for its queries i in order. ob: the row of the offset table; lq, lk, diag: the
+// element's or the sequence's; row0: the row of its query 0 in lse and delta.
+template <class T, class Acc, int kD, int kDv, int kCols>
+__device__ __forceinline__ void rel_k_diagonal(
+    Acc (&acc)[kCols], const T* q, const T* k, const T* v, const Acc* bias,
+    const unsigned char* mask, const Acc* alibi, const Acc* rel_bias, const Acc* rel_q,
+    const Acc* rel_k, const T* dout, const Acc* lse, const Acc* delta,
+    const long long* offsets, const long long* strides, long long b, long long ob, int lq,
+    int lk, long long key_end, long long diag, long long row0, long long e, Acc scale,
+    Acc softcap,
+    long long window_left, long long window_right, int bias_rows, int bias_cols,
+    int rel_bias_radius, int radius) {
+    const int lane = threadIdx.x % 32;
+    const long long dist = e - radius;
+    BlockRange range;
+    range.b = b;
+    range.ob = ob;
+    range.lq = lq;
+    range.lk = lk;
+    range.q_start = 0;
+    range.slot = 0;
+    range.i0 = 0;
+    range.i_end = lq;
+    range.diag = diag;
+    range.key_end = key_end;
+    range.j_lo = 0;
+    range.j_hi = key_end;
+    const long long* off = offsets + ob * (operand::kCount + 1);
+    const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap, alibi,
+                                  bias, mask, off, strides, bias_rows, bias_cols, rel_bias,
+                                  rel_bias_radius, rel_q, rel_k, radius);
+    const long long* st = strides;
+    const T* q_b = q + off[operand::kQ];
+    const T* k_b = k + off[operand::kK];
+    const T* v_b = v + off[operand::kV];
+    const T* do_b = dout + off[operand::kCount];
+    const Acc* rq_b = rel_q + off[operand::kRelQ];
+    const Acc* rk_e = rel_k + off[operand::kRelK] + e * st[2 * operand::kRelK];
+    const long long rq_rs = st[2 * operand::kRelQ], rq_cs = st[2 * operand::kRelQ + 1];
+    const long long rk_cs = st[2 * operand::kRelK + 1];
+    // the queries whose key i + diag + dist lies in [0, key_end), in order
+    const long long first = -diag - dist > 0 ? -diag - dist : 0;
+    const long long last = key_end - diag - dist < lq ? key_end - diag - dist : lq;
+    for (long long i = first; i < last; ++i) {
+        const long long j = i + diag + dist;
+        if (!pipe.in_range(i, j)) continue;          // warp-uniform
+        // q·k, dO·v and rel_q[i]·rel_k[e], each lane a strided share, then summed
+        Acc qk = Acc(0), dp = Acc(0), rel = Acc(0);
+        for (int c = lane; c < kD; c += 32)
+            qk += to_acc(q_b[i * st[2 * operand::kQ] + c * st[2 * operand::kQ + 1]]) *
+                  to_acc(k_b[j * st[2 * operand::kK] + c * st[2 * operand::kK + 1]]);
+        for (int c = lane; c < kDv; c += 32)
+            dp += to_acc(do_b[i * st[2 * operand::kCount] + c * st[2 * operand::kCount + 1]]) *
+                  to_acc(v_b[j * st[2 * operand::kV] + c * st[2 * operand::kV + 1]]);
+        for (int c = lane; c < kDr; c += 32) rel += rq_b[i * rq_rs + c * rq_cs] * rk_e[c * rk_cs];
+        qk = warp_sum(qk);
+        dp = warp_sum(dp);
+        rel = warp_sum(rel);
+        const Acc x = pipe.score(qk, i, j, rel);
+        const Acc p = backward_weight(x, lse[row0 + i]);
+        Acc g_bias, g_content;
+        logit_grads(p, dp, delta[row0 + i], x, qk, rel, scale, softcap, g_bias, g_content);
+        if (g_content != Acc(0)) {
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const int d = lane + 32 * c;
+                if (d < kDr) acc[c] += g_content * rq_b[i * rq_rs + d * rq_cs];
+            }
+        }
+    }
+}
+
 template <class T, class Acc, int kD, int kDv>
 __device__ __forceinline__ void rel_k_rows(
     const T* q, const T* k, const T* v, const Acc* bias, const unsigned char* mask,
@@ -255,7 +386,8 @@ __device__ __forceinline__ void rel_k_rows(
     const Acc* rel_k, const T* dout, const Acc* lse, const Acc* delta, Acc* drel_k,
     const long long* offsets, const long long* strides, int lq, int lk, long long diag,
     Acc scale, Acc softcap, long long window_left, long long window_right, int bias_rows,
-    int bias_cols, int rel_bias_radius, int radius) {
+    int bias_cols, int rel_bias_radius, int radius, const int* varlen_tiles,
+    const long long* varlen_seqs, int varlen_n_tiles) {
     if constexpr (kHasRelQk) {
         constexpr int kCols = (kDr + 31) / 32;           // columns of Dr per lane
         const int lane = threadIdx.x % 32;
@@ -264,66 +396,31 @@ __device__ __forceinline__ void rel_k_rows(
         const long long b = blockIdx.x / per_batch;
         const long long e = 1 + (blockIdx.x - b * per_batch) * kRelkWarps + threadIdx.x / 32;
         if (e > rows) return;
-        const long long dist = e - radius;
-
-        BlockRange range;
-        range.b = b;
-        range.i0 = 0;
-        range.i_end = lq;
-        range.diag = diag;
-        range.key_end = lk;
-        if constexpr (kHasKvLengths) range.key_end = kv_lengths[b];  // clipped to [0, lk]
-        range.j_lo = 0;
-        range.j_hi = range.key_end;
-        const long long* off = offsets + b * (operand::kCount + 1);
-        const ScorePipeline<Acc> pipe(range, lq, window_left, window_right, scale, softcap,
-                                      alibi, bias, mask, off, strides, bias_rows, bias_cols,
-                                      rel_bias, rel_bias_radius, rel_q, rel_k, radius);
-        const long long* st = strides;
-        const T* q_b = q + off[operand::kQ];
-        const T* k_b = k + off[operand::kK];
-        const T* v_b = v + off[operand::kV];
-        const T* do_b = dout + off[operand::kCount];
-        const Acc* rq_b = rel_q + off[operand::kRelQ];
-        const Acc* rk_e = rel_k + off[operand::kRelK] + e * st[2 * operand::kRelK];
-        const long long rq_rs = st[2 * operand::kRelQ], rq_cs = st[2 * operand::kRelQ + 1];
-        const long long rk_cs = st[2 * operand::kRelK + 1];
 
         Acc acc[kCols];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) acc[c] = Acc(0);
-        // the queries whose key i + diag + dist lies in [0, key_end), in order
-        const long long first = -diag - dist > 0 ? -diag - dist : 0;
-        const long long last = range.key_end - diag - dist < lq ? range.key_end - diag - dist
-                                                                : lq;
-        for (long long i = first; i < last; ++i) {
-            const long long j = i + diag + dist;
-            if (!pipe.in_range(i, j)) continue;          // warp-uniform
-            // q·k, dO·v and rel_q[i]·rel_k[e], each lane a strided share, then summed
-            Acc qk = Acc(0), dp = Acc(0), rel = Acc(0);
-            for (int c = lane; c < kD; c += 32)
-                qk += to_acc(q_b[i * st[2 * operand::kQ] + c * st[2 * operand::kQ + 1]]) *
-                      to_acc(k_b[j * st[2 * operand::kK] + c * st[2 * operand::kK + 1]]);
-            for (int c = lane; c < kDv; c += 32)
-                dp += to_acc(do_b[i * st[2 * operand::kCount] +
-                                  c * st[2 * operand::kCount + 1]]) *
-                      to_acc(v_b[j * st[2 * operand::kV] + c * st[2 * operand::kV + 1]]);
-            for (int c = lane; c < kDr; c += 32)
-                rel += rq_b[i * rq_rs + c * rq_cs] * rk_e[c * rk_cs];
-            qk = warp_sum(qk);
-            dp = warp_sum(dp);
-            rel = warp_sum(rel);
-            const Acc x = pipe.score(qk, i, j, rel);
-            const Acc p = backward_weight(x, lse[b * lq + i]);
-            Acc g_bias, g_content;
-            logit_grads(p, dp, delta[b * lq + i], x, qk, rel, scale, softcap, g_bias, g_content);
-            if (g_content != Acc(0)) {
-#pragma unroll
-                for (int c = 0; c < kCols; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < kDr) acc[c] += g_content * rq_b[i * rq_rs + d * rq_cs];
-                }
+        if constexpr (kVarlen) {
+            // every sequence with queries once (its first query tile's entry of the dQ table),
+            // in the table's fixed order; its offset-table row as varlen_block_range's
+            const long long nbatch = gridDim.x / per_batch;
+            for (int t = 0; t < varlen_n_tiles; ++t) {
+                if (varlen_tiles[2 * t + 1] != 0) continue;
+                const long long s = varlen_tiles[2 * t];
+                const long long* seq = varlen_seqs + kSeqCols * s;
+                rel_k_diagonal<T, Acc, kD, kDv, kCols>(
+                    acc, q, k, v, bias, mask, alibi, rel_bias, rel_q, rel_k, dout, lse, delta,
+                    offsets, strides, b, s * nbatch + b, int(seq[1]), int(seq[2]), seq[2],
+                    seq[3], b * lq + seq[0], e, scale, softcap, window_left, window_right,
+                    bias_rows, bias_cols, rel_bias_radius, radius);
             }
+        } else {
+            long long key_end = lk;
+            if constexpr (kHasKvLengths) key_end = kv_lengths[b];  // clipped to [0, lk]
+            rel_k_diagonal<T, Acc, kD, kDv, kCols>(
+                acc, q, k, v, bias, mask, alibi, rel_bias, rel_q, rel_k, dout, lse, delta,
+                offsets, strides, b, b, lq, lk, key_end, diag, b * lq, e, scale, softcap,
+                window_left, window_right, bias_rows, bias_cols, rel_bias_radius, radius);
         }
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
@@ -341,4 +438,5 @@ __device__ __forceinline__ void rel_k_rows(
     cuonline::rel_k_rows<CUONLINE_T, CUONLINE_ACC, CUONLINE_D, CUONLINE_DV>(                   \
         q, k, v, bias, mask, kv_lengths, alibi, rel_bias, rel_q, rel_k, dout, lse, delta,      \
         drel_k, offsets, strides, lq, lk, diagonal_offset, scale, softcap, window_left,        \
-        window_right, bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius)
+        window_right, bias_block_rows, bias_block_cols, rel_bias_radius, rel_k_radius,         \
+        varlen_tiles, varlen_seqs, varlen_n_tiles)

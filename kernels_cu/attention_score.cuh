@@ -48,6 +48,13 @@ constexpr bool kReturnLse = CUONLINE_RETURN_LSE != 0;
 constexpr bool kSplit = CUONLINE_SPLIT != 0;                  // keys split across grid.z
 // A split writes each part's lse for the combine, whether or not the caller asked for it.
 constexpr bool kWritesLse = kSplit || kReturnLse;
+// A packed variable-length batch (cu_seqlens): each block runs one query tile of one sequence,
+// found in a host-built table; lengths, diagonal and rows are that sequence's (local indices).
+constexpr bool kVarlen = CUONLINE_VARLEN != 0;
+static_assert(!(kVarlen && kSplit), "packed batches are not split across grid.z");
+// Columns of a packed batch's sequence table (varlen_seqs, cuonline/kernels/varlen.py): first
+// query row, query length, key length, diagonal offset, first key row.
+constexpr int kSeqCols = 5;
 
 // Operands in the per-batch offset table (offsets[b * kCount + op]) and in strides[2 op]
 // (row stride), strides[2 op + 1] (column stride), in elements.
@@ -82,7 +89,10 @@ enum : int {
         long long window_left, long long window_right, /* >= 2^60: unbounded */              \
         long long split_keys,                          /* keys per grid.z slice */           \
         int bias_block_rows, int bias_block_cols,      /* (r, c) of a block bias, else 1 */  \
-        int rel_bias_radius, int rel_k_radius          /* (Rb - 1) / 2, (Rk - 1) / 2 */
+        int rel_bias_radius, int rel_k_radius,         /* (Rb - 1) / 2, (Rk - 1) / 2 */  \
+        const int* __restrict__ varlen_tiles,  /* packed: (n_tiles, 2) sequence, query tile */ \
+        const long long* __restrict__ varlen_seqs, /* packed: (B, kSeqCols) */               \
+        int varlen_n_tiles                     /* packed: rows of varlen_tiles */
 
 // The output element type of a family whose final element type is T: a split writes partial,
 // already normalised outputs into an accumulation-type workspace, merged by the combine.
@@ -94,6 +104,12 @@ using AttentionOut = typename Select<kSplit, Acc, T>::type;
 
 struct BlockRange {
     long long b;        // flattened batch element
+    long long ob;       // its row of the offset table (packed: of its sequence in b)
+    int lq, lk;         // the block's problem's lengths: lq, lk, or its sequence's (packed)
+    long long q_start;  // packed: its sequence's first query row (0 otherwise): query i's row
+                        // in the contiguous (nbatch, lq) buffers (out, lse, ...) is
+                        // b * lq + q_start + i
+    long long slot;     // packed: the block's slot in per-query-tile partials, b * n_tiles + e
     long long i0;       // queries [i0, i_end) of this block
     long long i_end;
     long long diag;     // key facing query 0: q_offset - k_offset (|diag| <= 2^53)
@@ -116,6 +132,11 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk, long long diag
     const long long qtile = n_qtiles - 1 - (blockIdx.x - r.b * n_qtiles);
     r.i0 = qtile * kBlockM;
     r.i_end = r.i0 + kBlockM < lq ? r.i0 + kBlockM : lq;
+    r.ob = r.b;
+    r.lq = lq;
+    r.lk = lk;
+    r.q_start = 0;
+    r.slot = 0;     // unused: the partials' slot follows from b and the tile
     r.diag = diagonal_offset;
 
     r.key_end = lk;
@@ -134,11 +155,63 @@ __device__ __forceinline__ BlockRange block_range(int lq, int lk, long long diag
     return r;
 }
 
-// Row of (batch element b, query i) in out and lse, contiguous ([nsplit,] nbatch, lq). Derived
-// from the grid where it is written, so that no register carries it through the key loop.
+// A packed batch: grid.x = n_tiles * nbatch, tile-major, so that the table's order (the
+// heaviest tiles first, cuonline/kernels/varlen.py) is the launch order across the batch.
+// Tile e is (sequence s, query tile t); the offset table has a row per (s, b), row s * nbatch
+// + b, with q and rel_q moved to the sequence's first query and k and v to its first key.
 template <int kBlockM>
-__device__ __forceinline__ long long output_row(long long b, long long i, int lq) {
-    if constexpr (kSplit) {
+__device__ __forceinline__ BlockRange varlen_block_range(int lq, const int* __restrict__ tiles,
+                                                         const long long* __restrict__ seqs,
+                                                         int n_tiles, long long window_left,
+                                                         long long window_right) {
+    BlockRange r;
+    const long long nbatch = gridDim.x / n_tiles;
+    const long long e = blockIdx.x / nbatch;
+    r.b = blockIdx.x - e * nbatch;
+    const long long s = tiles[2 * e];
+    const long long* seq = seqs + kSeqCols * s;
+    r.ob = s * nbatch + r.b;
+    r.lq = int(seq[1]);
+    r.lk = int(seq[2]);
+    r.q_start = seq[0];
+    r.slot = r.b * n_tiles + e;
+    r.i0 = (long long)tiles[2 * e + 1] * kBlockM;
+    r.i_end = r.i0 + kBlockM < r.lq ? r.i0 + kBlockM : r.lq;
+    r.diag = seq[3];
+    r.key_end = seq[2];
+    r.j_lo = 0;
+    r.j_hi = r.key_end;
+    if constexpr (kHasWindow) {
+        if (r.i0 + r.diag - window_left > r.j_lo) r.j_lo = r.i0 + r.diag - window_left;
+        if (r.i_end + r.diag + window_right < r.j_hi) r.j_hi = r.i_end + r.diag + window_right;
+    }
+    return r;
+}
+
+// The block of a forward kernel: from the grid, or from the table of a packed batch.
+template <int kBlockM>
+__device__ __forceinline__ BlockRange forward_block_range(
+    int lq, int lk, long long diagonal_offset, const long long* __restrict__ kv_lengths,
+    long long window_left, long long window_right, long long split_keys,
+    const int* __restrict__ varlen_tiles, const long long* __restrict__ varlen_seqs,
+    int varlen_n_tiles) {
+    if constexpr (kVarlen)
+        return varlen_block_range<kBlockM>(lq, varlen_tiles, varlen_seqs, varlen_n_tiles,
+                                           window_left, window_right);
+    else
+        return block_range<kBlockM>(lq, lk, diagonal_offset, kv_lengths, window_left,
+                                    window_right, split_keys);
+}
+
+// Row of (batch element b, query i) in out and lse, contiguous ([nsplit,] nbatch, lq). Derived
+// from the grid where it is written, so that no register carries it through the key loop
+// (packed: the sequence's first row, from the block's table entry, plus the local i).
+template <int kBlockM>
+__device__ __forceinline__ long long output_row(const BlockRange& range, long long i, int lq) {
+    const long long b = range.b;
+    if constexpr (kVarlen) {
+        return b * lq + range.q_start + i;
+    } else if constexpr (kSplit) {
         const long long nbatch = gridDim.x / ((lq + kBlockM - 1) / kBlockM);
         return ((long long)blockIdx.z * nbatch + b) * lq + i;
     } else {

@@ -97,6 +97,26 @@ MUTANTS = {
         "__device__ __forceinline__ Acc summed_weight(Acc s, Acc lse) {\n"
         "    if (s == neg_inf(Acc()) || lse == neg_inf(Acc())) return Acc(0);",
     ),
+    # Packed batches: each sequence's last key dropped (the sequence's key bound off by one).
+    "varlen_last_key_dropped": (
+        "attention_score.cuh",
+        "    r.key_end = seq[2];\n",
+        "    r.key_end = seq[2] > 0 ? seq[2] - 1 : 0;\n",
+    ),
+    # Packed batches: a block reads the sequence of the table's previous entry (its own tile
+    # index): the table lookup off by one.
+    "varlen_table_off_by_one": (
+        "attention_score.cuh",
+        "const long long s = tiles[2 * e];",
+        "const long long s = tiles[2 * (e > 0 ? e - 1 : e)];",
+    ),
+    # Packed batches, backward: dK and dV written at the sequence's first query row instead of
+    # its first key row.
+    "varlen_bwd_key_rows": (
+        "attention_grads.cuh",
+        "r.k_start = seq[4];",
+        "r.k_start = seq[0];",
+    ),
     # Statistics (attention_stats.cu): the entropy's sum not moved to the new maximum (only
     # scaled like l), so rows whose maximum grows after their first keys go wrong.
     "stats_entropy_not_rescaled": (

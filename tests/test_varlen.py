@@ -267,13 +267,6 @@ def test_options_without_meaning_across_sequences_are_refused(option):
         cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12], **option)
 
 
-def test_cuda_engines_refuse_packed_batches():
-    q = np.zeros((12, 4), np.float32)
-    with pytest.raises(ValueError, match="CUDA varlen kernels are not yet available.*emulate"):
-        cuonline.attention(q, q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12],
-                           backend="emulate")
-
-
 def test_torch_inputs_and_boundaries_of_any_library():
     """cuonline.attention answers torch arrays in kind, boundaries of any library (the
     differentiable bindings' packed batches: tests/test_frameworks_varlen.py)."""

@@ -6,7 +6,9 @@ plan (:func:`cuonline.kernels.families.plan_attention`: the family, its tiles an
 module (the target compiles the family's text: a ``cupy.RawModule`` memoized per device and
 spec, or :func:`cuonline.testing.emulate.compile_module` of the very same text) -> typed
 arguments (the family's builder) -> launch. CuPy is imported lazily: ``import cuonline`` never
-imports it.
+imports it. A packed batch (``cu_seqlens_q``, ``cu_seqlens_k``) takes the same steps: its plan
+carries the block table (:mod:`cuonline.kernels.varlen`), its arguments the table and an
+offset row per sequence.
 """
 
 from __future__ import annotations

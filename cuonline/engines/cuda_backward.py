@@ -137,6 +137,8 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     # per block in `slots` copies (query tiles sharing a block row write different ones), the
     # relative ones per query tile (drel_q: per row)
     tiles = -(-p.lq // plan.spec.block_r)
+    if plan.varlen is not None:
+        tiles = len(plan.varlen[0])   # a packed batch: a slot per dQ block of its table
     block = getattr(p, "bias_block", None)
     slots = 0
     if want_ds:
@@ -158,7 +160,7 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     rel_k_rows = xp.zeros((nb, 2 * p.rel_k_radius + 1, p.dr), dtype=acc) if rel_qk else None
     row_sums = xp.empty((nb, p.lq), dtype=acc)
     args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums)
+                            row_sums, varlen=plan.varlen)
     if order is not None:
         # the operands' offset rows and the per-element tables in the same order
         args = _reordered(args, order)

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .. import _semantics
+from . import varlen
 
 __all__ = ["ATTENTION_BWD_SIGNATURE", "ATTENTION_FWD_SIGNATURE", "COMBINE_SIGNATURE", "OPERANDS",
            "SOFTMAX_SIGNATURE", "UNBOUNDED", "attention_bwd_arguments", "attention_fwd_arguments",
@@ -33,7 +34,7 @@ ATTENTION_FWD_SIGNATURE = (
     "q", "k", "v", "bias", "mask", "kv_lengths", "alibi_slopes", "rel_bias", "rel_q", "rel_k",
     "out", "lse", "offsets", "strides", "lq", "lk", "diagonal_offset", "scale", "softcap",
     "window_left", "window_right", "split_keys", "bias_block_rows", "bias_block_cols",
-    "rel_bias_radius", "rel_k_radius",
+    "rel_bias_radius", "rel_k_radius", "varlen_tiles", "varlen_seqs", "varlen_n_tiles",
 )
 #: Parameters of ``cuonline_attention_combine``.
 COMBINE_SIGNATURE = ("ws_out", "ws_lse", "out", "lse", "nrows", "n_splits")
@@ -151,6 +152,10 @@ def attention_fwd_arguments(p, plan, out, lse):
         strides.append(st)
     offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)  # (nbatch, 8)
     strides = np.asarray(strides, dtype=np.int64).reshape(len(OPERANDS), 2)   # (8, 2)
+    table = getattr(plan, "varlen", None)
+    packed = dict(varlen_tiles=None, varlen_seqs=None, varlen_n_tiles=np.int32(0))
+    if table is not None:
+        offsets, packed = _varlen_values(xp, table, offsets, strides)
     if xp is not np:
         offsets, strides = xp.asarray(offsets), xp.asarray(strides)
     if arrays["mask"] is not None and xp is np:
@@ -174,8 +179,23 @@ def attention_fwd_arguments(p, plan, out, lse):
         bias_block_rows=np.int32(rows), bias_block_cols=np.int32(cols),
         rel_bias_radius=_radius(p.rel_bias_radius, "rel_bias"),
         rel_k_radius=_radius(p.rel_k_radius, "rel_k"),
+        **packed,
     )
     return tuple(values[name] for name in ATTENTION_FWD_SIGNATURE)
+
+
+def _varlen_values(xp, table, offsets, strides):
+    """A packed batch's offset table (a row per (sequence, batch element), q and rel_q at
+    the sequence's first query, k and v at its first key: :func:`cuonline.kernels.varlen.
+    expand_offsets`) and its kernel arguments ``varlen_tiles``, ``varlen_seqs`` and
+    ``varlen_n_tiles`` (the plan's :class:`cuonline.kernels.varlen.TileTable`)."""
+    offsets = varlen.expand_offsets(offsets, strides, table, OPERANDS, ("q", "rel_q"),
+                                    ("k", "v"))
+    tiles, seqs = table.tiles, table.seqs
+    if xp is not np:
+        tiles, seqs = xp.asarray(tiles), xp.asarray(seqs)
+    return offsets, dict(varlen_tiles=tiles, varlen_seqs=seqs,
+                         varlen_n_tiles=np.int32(len(table)))
 
 
 def combine_arguments(ws_out, ws_lse, out, lse, nrows, n_splits):
@@ -222,7 +242,8 @@ ATTENTION_BWD_SIGNATURE = (
     "row_sums", "offsets", "strides",
     "lq", "lk",
     "diagonal_offset", "scale", "softcap", "window_left", "window_right", "bias_block_rows",
-    "bias_block_cols", "rel_bias_radius", "rel_k_radius",
+    "bias_block_cols", "rel_bias_radius", "rel_k_radius", "varlen_tiles", "varlen_key_tiles",
+    "varlen_seqs", "varlen_n_tiles", "varlen_n_key_tiles",
 )
 
 
@@ -234,7 +255,7 @@ class _NoSplit:
 
 
 def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums):
+                            row_sums, varlen=None):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
@@ -247,7 +268,10 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel
     ``drel_k`` ``(nbatch, n_query_tiles, 2, Dr)`` (rel_k's end rows; the rel_k kernel gets
     its ``(nbatch, Rk, Dr)`` rows in this place), zero-filled, or None, ``row_sums``
     ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
-    accumulation dtype.
+    accumulation dtype. A packed batch: ``varlen`` is the plan's ``(TileTable, key tiles)``
+    (:func:`cuonline.kernels.varlen.tile_table`, :func:`cuonline.kernels.varlen.
+    key_tile_table`), the relative partials have a slot per dQ block (``n_query_tiles`` the
+    table's length).
     """
     xp = p.xp
     forward = dict(zip(ATTENTION_FWD_SIGNATURE,
@@ -263,5 +287,24 @@ def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel
                        axis=0))
     values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds,
                   drel_bias=drel_bias, drel_q=drel_q, drel_k=drel_k,
-                  row_sums=row_sums, offsets=offsets, strides=strides)
+                  row_sums=row_sums, offsets=offsets, strides=strides,
+                  varlen_key_tiles=None, varlen_n_key_tiles=np.int32(0))
+    if varlen is not None:
+        values.update(_varlen_bwd_values(xp, varlen, offsets, strides))
     return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)
+
+
+def _varlen_bwd_values(xp, tables, offsets, strides):
+    """A packed batch's backward arguments: the offset table with a row per (sequence, batch
+    element) (dout moved to the sequence's first query, as q and rel_q; k and v to its first
+    key), the dQ kernel's query tiles, the dK/dV kernel's key tiles and the sequences."""
+    table, key_tiles = tables
+    host = [x if xp is np else x.get() for x in (offsets, strides)]   # (nbatch, 9), (9, 2)
+    offsets = varlen.expand_offsets(*host, table, OPERANDS + ("dout",), ("q", "rel_q", "dout"),
+                                    ("k", "v"))
+    arrays = dict(offsets=offsets, varlen_tiles=table.tiles, varlen_key_tiles=key_tiles,
+                  varlen_seqs=table.seqs)
+    if xp is not np:
+        arrays = {name: xp.asarray(x) for name, x in arrays.items()}
+    return dict(arrays, varlen_n_tiles=np.int32(len(table)),
+                varlen_n_key_tiles=np.int32(key_tiles.shape[0]))

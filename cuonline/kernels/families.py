@@ -98,7 +98,10 @@ def _mma(dtype, d, dv, lq, *, arch, cp_async=True, features=(), split=False):
 
 
 def _names(family):
-    return tuple(f.name for f in features.supported_by(family))
+    """The score options ``family`` supports (the layouts are listed on their own:
+    :func:`_varlen_listing`)."""
+    return tuple(f.name for f in features.supported_by(family)
+                 if f.name not in features.LAYOUT_FEATURES)
 
 
 def _alone(name):
@@ -135,7 +138,7 @@ def _simt_listing(arch: str = DEFAULT_ARCH) -> list:
                 specs.append(_simt(dtype, d, d, 4096, arch=arch, features=together))
     for together in _together(names):
         specs.append(_simt("float64", 256, 256, 1, arch=arch, split=True, features=together))
-    return specs
+    return specs + _varlen_listing(_simt, names, arch)
 
 
 def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
@@ -168,6 +171,24 @@ def _mma_listing(arch: str = DEFAULT_ARCH) -> list:
         specs.append(_mma("float16", 256, 256, 4096, arch=arch, features=together))
         specs.append(_mma("float64", 64, 64, 4096, arch=arch, features=together))
         specs.append(_mma("float64", 128, 128, 1, arch=arch, split=True, features=together))
+    return specs + _varlen_listing(_mma, names, arch)
+
+
+def _varlen_listing(make, names, arch) -> list:
+    """Packed batches (issue 20) on a forward family (``make``: :func:`_simt` or
+    :func:`_mma`): float32 (float16 on the tensor cores) at D = 64 alone, float16 D = 128
+    causal with lse, every score option at D = 64 (with either soft cap; bias, mask,
+    bias_block and kv_lengths are refused with a packed batch) and at float64 D = 128 (SIMT)
+    or D = 64 (tensor cores)."""
+    score = tuple(n for n in names if n not in ("bias", "bias_block", "mask", "kv_lengths"))
+    first = "float32" if make is _simt else "float16"
+    specs = [make(first, 64, 64, 4096, arch=arch, features=("varlen",)),
+             make("float16", 128, 128, 4096, arch=arch,
+                  features=("window", "return_lse", "varlen"))]
+    for together in _together(score):
+        specs.append(make(first, 64, 64, 4096, arch=arch, features=together + ("varlen",)))
+    wide = 128 if make is _simt else 64
+    specs.append(make("float64", wide, wide, 4096, arch=arch, features=score + ("varlen",)))
     return specs
 
 
@@ -189,7 +210,7 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
     options (float64 D = 256 only where it fits), float32 D = 64 with Dv = 2 D and with each
     option alone, every option together (with either soft cap) for float32 and float16 at
     D = 64 and float64 at D = 128."""
-    names = features.BACKWARD_FEATURES
+    names = tuple(n for n in features.BACKWARD_FEATURES if n not in features.LAYOUT_FEATURES)
     specs = []
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for d in (32, 64, 128, 256):
@@ -200,7 +221,7 @@ def _bwd_listing(arch: str = DEFAULT_ARCH) -> list:
     for dtype, d in (("float32", 64), ("float16", 64), ("float64", 128)):
         for together in _together(names):
             specs.append(_bwd(dtype, d, d, arch=arch, features=together))
-    return specs
+    return specs + _bwd_varlen_listing(_bwd, names, arch)
 
 
 def _bwd_mma(dtype, d, dv, *, arch, features=(), cp_async=True):
@@ -222,7 +243,8 @@ def _bwd_mma_listing(arch: str = DEFAULT_ARCH) -> list:
     option together at float16 D = 64 and 128, TF32 D = 64 and float64 D = 64."""
     if not heuristics.mma_supported(arch):
         return []
-    names = features.MMA_BACKWARD_FEATURES
+    names = tuple(n for n in features.MMA_BACKWARD_FEATURES
+                  if n not in features.LAYOUT_FEATURES)
     specs = [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float16", "bfloat16")
              for d in (32, 64, 128)]
     specs += [_bwd_mma(dtype, d, d, arch=arch) for dtype in ("float32", "float64")
@@ -234,6 +256,21 @@ def _bwd_mma_listing(arch: str = DEFAULT_ARCH) -> list:
     for dtype, d in (("float16", 64), ("float16", 128), ("float32", 64), ("float64", 64)):
         for together in _together(names):
             specs.append(_bwd_mma(dtype, d, d, arch=arch, features=together))
+    return specs + _bwd_varlen_listing(_bwd_mma, names, arch)
+
+
+def _bwd_varlen_listing(make, names, arch) -> list:
+    """Packed batches (issue 20) on a backward family (``make``: :func:`_bwd` or
+    :func:`_bwd_mma`): float32 (SIMT) or float16 (tensor cores) D = 64 alone and causal, every
+    score option the family has at D = 64 (either soft cap where it has both) and float64
+    D = 64 with every option."""
+    score = tuple(n for n in names if n not in ("bias", "bias_block", "mask", "kv_lengths"))
+    first = "float32" if make is _bwd else "float16"
+    specs = [make(first, 64, 64, arch=arch, features=("varlen",)),
+             make(first, 64, 64, arch=arch, features=("window", "varlen"))]
+    for together in _together(score):
+        specs.append(make(first, 64, 64, arch=arch, features=together + ("varlen",)))
+    specs.append(make("float64", 64, 64, arch=arch, features=score + ("varlen",)))
     return specs
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["BACKWARD_FAMILIES", "BACKWARD_FEATURES", "FEATURES", "FORWARD_FAMILIES",
-           "Feature", "MMA_BACKWARD_FEATURES", "backward_of_problem", "by_name", "of_problem",
+           "Feature", "LAYOUT_FEATURES", "MMA_BACKWARD_FEATURES", "backward_of_problem", "by_name", "of_problem",
            "supported_by", "with_required"]
 
 #: The attention forward and backward families (names as in :mod:`cuonline.kernels.families`).
@@ -91,7 +91,17 @@ FEATURES = (
             requires=("softcap",), backward_families=("attention_bwd_simt",)),
     Feature("return_lse", lambda p: p.return_lse, "CUONLINE_RETURN_LSE", ("lse",),
             families=FORWARD_FAMILIES, backward_families=()),
+    # a packed variable-length batch (cu_seqlens_q/k): a block -> (sequence, query tile) table
+    # (the backward's dK/dV kernel: (sequence, key tile)) and per-sequence lengths, diagonals
+    # and first rows (cuonline/kernels/varlen.py); no key split
+    Feature("varlen", lambda p: getattr(p, "cu_seqlens_q", None) is not None,
+            "CUONLINE_VARLEN", ("varlen_tiles", "varlen_seqs", "varlen_n_tiles"),
+            families=FORWARD_FAMILIES),
 )
+
+#: Rows that change the launch's layout rather than add a score term: listed in variants of
+#: their own, not in the listing's "every option" variants.
+LAYOUT_FEATURES = ("varlen",)
 
 _BY_NAME = {f.name: f for f in FEATURES}
 

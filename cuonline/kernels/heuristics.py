@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import features
+from . import features, varlen
 from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
                     bwd_bias_tile, dtype_name)
 
@@ -191,6 +191,8 @@ class Plan:
     grid: tuple
     block: tuple
     shared_bytes: int
+    # a packed batch: its blocks (cuonline.kernels.varlen.TileTable), else None
+    varlen: object = None
 
 
 def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
@@ -375,6 +377,8 @@ def combine_launch(nrows):
 
 def _plan_forward(problem, family, block_m, block_n, make_spec, num_sms, n_splits):
     """The part of a forward plan every family shares: key splits, grid, flags, spec."""
+    if getattr(problem, "cu_seqlens_q", None) is not None:
+        return _plan_varlen(problem, family, block_m, make_spec)
     n_qtiles = math.ceil(problem.lq / block_m)
     if n_splits is None:
         n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
@@ -434,6 +438,23 @@ def plan_mma(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=No
 
     return _plan_forward(problem, AttentionMmaSpec.family, 16 * tiles.m_tiles * tiles.warps,
                          tiles.block_n, make_spec, num_sms, n_splits)
+
+
+def _plan_varlen(problem, family, block_m, make_spec):
+    """A packed batch's forward plan: a block per (query tile of a sequence, batch element),
+    from :func:`cuonline.kernels.varlen.tile_table`, the heaviest first; never a key split
+    (a sequence's keys are few, and the blocks are many)."""
+    table = varlen.tile_table(problem.cu_seqlens_q, problem.cu_seqlens_k,
+                              problem.sequence_diagonals, problem.window, block_m)
+    grid_x = problem.nbatch * len(table)
+    if grid_x > MAX_GRID_X:
+        raise ValueError(f"a packed batch of {problem.nbatch} batch elements x {len(table)} "
+                         f"query tiles needs {grid_x} thread blocks on the CUDA engine, more "
+                         f"than CUDA's {MAX_GRID_X}; split the call along the batch")
+    spec = make_spec(features=features.of_problem(problem, family), split=False)
+    return Plan(spec=spec, n_qtiles=len(table), n_splits=1, split_keys=problem.lk,
+                grid=(grid_x, 1, 1), block=(spec.threads, 1, 1),
+                shared_bytes=spec.shared_bytes, varlen=table)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,27 +544,14 @@ class BwdPlan:
     shared_bytes: int
     grid_rel_k: tuple = (0, 1, 1)   # nbatch * ceil((Rk - 2) / REL_K_WARPS) blocks
     rel_k_block: tuple = (0, 1, 1)
+    # a packed batch: (TileTable of the dQ blocks, (n, 2) key tiles of the dK/dV blocks)
+    # (cuonline.kernels.varlen), else None
+    varlen: object = None
 
 
 #: Warps of a rel_k kernel block, each owning one row of rel_k's gradient (``kRelkWarps`` of
 #: kernels_cu/attention_grads.cuh): small blocks, as each warp walks a diagonal alone.
 REL_K_WARPS = 4
-
-
-def _bwd_grids(problem, spec, names) -> dict:
-    """The grids of a backward plan (:class:`BwdPlan`'s fields) of ``problem`` on ``spec``:
-    a ValueError where one exceeds CUDA's grid."""
-    grids = dict(grid_dkdv=problem.nbatch * math.ceil(problem.lk / spec.block_r),
-                 grid_dq=problem.nbatch * math.ceil(problem.lq / spec.block_r), grid_rel_k=0)
-    if "rel_qk" in names and problem.dr > 0 and problem.rel_k_radius > 0:
-        # the rows 1 .. 2 radius - 1 of rel_k's gradient, one per warp
-        grids["grid_rel_k"] = problem.nbatch * math.ceil((2 * problem.rel_k_radius - 1)
-                                                         / REL_K_WARPS)
-    need = max(grids.values())
-    if need > MAX_GRID_X:
-        raise ValueError(f"attention backward needs {need} thread blocks, more than CUDA's "
-                         f"{MAX_GRID_X}; use backend='numpy' or split the batch")
-    return {name: (n, 1, 1) for name, n in grids.items()}
 
 
 def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
@@ -564,9 +572,36 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
                                 dv=problem.dv, warps=warps, rows_per_warp=rows,
                                 items_per_lane=per, write_ds=write_ds, features=names, dr=dr)
-    return BwdPlan(spec=spec, **_bwd_grids(problem, spec, names),
-                   rel_k_block=(32 * REL_K_WARPS, 1, 1),
-                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
+    return _bwd_plan(problem, spec, names)
+
+
+def _bwd_plan(problem, spec, names):
+    """The grids of a backward of ``spec``'s blocks (``block_r`` owned rows each): a block
+    per key tile (dK/dV) and per query tile (dQ) of every batch element or, for a packed
+    batch, of every sequence (:mod:`cuonline.kernels.varlen`'s tables); with rel_q/rel_k,
+    a warp per row 1 .. 2 radius - 1 of rel_k's gradient. A ValueError where a grid exceeds
+    CUDA's."""
+    tables = None
+    if getattr(problem, "cu_seqlens_q", None) is not None:
+        args = (problem.cu_seqlens_q, problem.cu_seqlens_k, problem.sequence_diagonals,
+                problem.window, spec.block_r)
+        tables = (varlen.tile_table(*args), varlen.key_tile_table(*args))
+        grids = dict(grid_dkdv=problem.nbatch * tables[1].shape[0],
+                     grid_dq=problem.nbatch * len(tables[0]))
+    else:
+        grids = dict(grid_dkdv=problem.nbatch * math.ceil(problem.lk / spec.block_r),
+                     grid_dq=problem.nbatch * math.ceil(problem.lq / spec.block_r))
+    grids["grid_rel_k"] = 0
+    if "rel_qk" in names and problem.dr > 0 and problem.rel_k_radius > 0:
+        grids["grid_rel_k"] = problem.nbatch * math.ceil((2 * problem.rel_k_radius - 1)
+                                                         / REL_K_WARPS)
+    need = max(grids.values())
+    if need > MAX_GRID_X:
+        raise ValueError(f"attention backward needs {need} thread blocks, more than CUDA's "
+                         f"{MAX_GRID_X}; use backend='numpy' or split the batch")
+    return BwdPlan(spec=spec, **{name: (n, 1, 1) for name, n in grids.items()},
+                   rel_k_block=(32 * REL_K_WARPS, 1, 1), block=(spec.threads, 1, 1),
+                   shared_bytes=spec.shared_bytes, varlen=tables)
 
 
 def bwd_writes_ds(names) -> bool:
@@ -655,6 +690,4 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,
                                block_c=block_c, cp_async=bool(cp_async), write_ds=write_ds,
                                features=names, dr=dr)
-    return BwdPlan(spec=spec, **_bwd_grids(problem, spec, names),
-                   rel_k_block=(32 * REL_K_WARPS, 1, 1),
-                   block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes)
+    return _bwd_plan(problem, spec, names)

@@ -101,6 +101,9 @@ class AttentionSpec:
         # one order for keys and equality: the table's
         order = tuple(f.name for f in _features.FEATURES)
         object.__setattr__(self, "features", tuple(n for n in order if n in self.features))
+        if "varlen" in self.features and self.split:
+            raise ValueError(f"features of {self.family}: a packed batch (varlen) is never "
+                             f"split across grid.z, got split=True")
         if (not isinstance(self.dr, int) or self.dr < 0
                 or (self.dr > 0) != ("rel_qk" in self.features) or self.dr > MAX_HEAD_DIM):
             raise ValueError(f"dr of {self.family} must be in 1..{MAX_HEAD_DIM} with the rel_qk "
