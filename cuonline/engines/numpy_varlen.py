@@ -1,12 +1,22 @@
 """Packed variable-length batches on the NumPy engines (``cu_seqlens_q``, ``cu_seqlens_k``).
 
-No new numerics: the sequences of a packed batch are grouped by their shape, each group is
-stacked into one batch axis (a copy of its rows) and handed to the NumPy forward
-(:func:`.numpy.attention`), backward (:func:`.numpy_backward.attention_backward`) or
-statistics (:mod:`.numpy_stats`) as an ordinary :class:`cuonline._validate.Problem`, whose
-results are scattered back into the packed layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
-sequences of one group (every 300-residue protein, say) are one call whose tasks keep the
-pool busy, however short each sequence is.
+No new numerics. The forward and the backward run the whole batch as one task list on the
+pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
+sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
+:func:`.numpy_backward.element_gradients`), on the sequence's own
+:class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
+writing straight into the packed results; consecutive short units share a task
+(``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
+problem only, so the results are the same for every ``workers``. A backward over 256
+proteins of distinct lengths is then one pool run of thousands of tasks, not hundreds of
+small engine calls, each with its own copies of the rows and its own tail of idle workers.
+
+With fewer units than cores (a few long sequences), and for the statistics
+(:mod:`.numpy_stats`), the sequences are grouped by their shape, each group is stacked into
+one batch axis (a copy of its rows) and handed to the NumPy engine as an ordinary
+:class:`cuonline._validate.Problem`, whose results are scattered back into the packed layout
+(the engine then splits long key ranges among the cores). Either way the work is
+``sum_b len_q(b) * len_k(b)`` and no tile crosses two sequences.
 
 A group is the sequences that share their query length and diagonal (:func:`cuonline.
 _semantics.sequence_diagonals`). At the default offsets the diagonal is ``len_k - len_q``, so
@@ -31,7 +41,7 @@ if TYPE_CHECKING:
     from .._validate import BackwardProblem, Problem, StatsProblem
 
 __all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups",
-           "place_rows", "received", "row_state", "weights_of_rows"]
+           "place_rows", "received", "row_state", "sequence_problem", "weights_of_rows"]
 
 
 @dataclass(frozen=True)
