@@ -161,6 +161,43 @@ def test_results_do_not_depend_on_workers(rng):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_batch_of_many_tasks():
+    """Sequences long enough for several tasks of the one task list
+    (``numpy_varlen.TASK_WORK``): the same bits for every ``workers``, the gradients of the
+    tables that every sequence shares included, and each sequence accurate (the oracle and
+    the accuracy rule, on that sequence alone)."""
+    from support import check_attention, check_gradients
+
+    rng = np.random.default_rng(7)
+    cq = cu([300, 1, 0, 257, 520, 64, 129])
+    q, k, v, dout = (rng.standard_normal((2, cq[-1], 16)).astype(np.float32) for _ in range(4))
+    tables = {"causal": True, "rel_bias": rng.standard_normal((2, 33)),
+              "rel_q": rng.standard_normal((2, cq[-1], 4)),
+              "rel_k": rng.standard_normal((1, 17, 4))}
+    runs = []
+    for workers in (1, 2, 3):
+        out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=cq,
+                                      return_lse=True, workers=workers, **tables)
+        g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq,
+                                        cu_seqlens_k=cq, workers=workers, **tables)
+        runs.append((out, lse, g.dq, g.dk, g.dv, g.drel_bias, g.drel_q, g.drel_k))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    options = {"causal": True, "softcap": 2.0, "alibi_slopes": np.array([0.1, 0.3])}
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=cq, return_lse=True,
+                                  **options)
+    g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=cq,
+                                    **options)
+    for b in range(len(cq) - 1):
+        rows = slice(cq[b], cq[b + 1])
+        if cq[b + 1] > cq[b]:
+            parts = [x[:, rows] for x in (q, k, v)]
+            check_attention(*parts, out[:, rows], lse[:, rows], options)
+            check_gradients({"dq": g.dq[:, rows], "dk": g.dk[:, rows], "dv": g.dv[:, rows]},
+                            dout[:, rows], *parts, options)
+
+
 def test_a_wrong_lse_is_still_refused(rng):
     """The backward's check of lse runs on every group."""
     _, q, k, v, cq, ck = case(4)

@@ -131,6 +131,13 @@ def key_range(p, b, i0, i1):
 # one task
 
 
+def attend(p, b, i0, i1, j_lo, j_hi):
+    """One task of :func:`attention` for drivers that make their own task list (the packed
+    batches of :mod:`.numpy_varlen`): normalised ``(out, lse)`` in the accumulation dtype of
+    queries ``[i0, i1)`` of batch element ``b`` over keys ``[j_lo, j_hi)``."""
+    return _attend(p, b, i0, i1, j_lo, j_hi)
+
+
 def _attend(p, b, i0, i1, j_lo, j_hi):
     """Normalised ``(out, lse)`` in the accumulation dtype for queries ``[i0, i1)`` of batch
     element ``b`` over keys ``[j_lo, j_hi)``."""

@@ -70,7 +70,7 @@ def attention_backward(bp):
     tasks = _plan(p, targets)
     # each row's sum of P and, for rows given lse = -inf, whether the row sees a key: written
     # by the one task that owns the row's dQ (disjoint rows), checked once all are done
-    sums = _RowSums(p)
+    sums = RowSums(p)
     run_tasks(tasks, lambda task: [_one_batch_element(bp, b, buffers, sums, *task[1:])
                                    for b in task[0]], n_workers)
     sums.check(bp)
@@ -192,13 +192,16 @@ class _Element:
         return pipeline
 
 
-class _RowSums:
+class RowSums:
     """Each row's sum of ``P = exp(s - lse)`` over its keys, to tell an ``lse`` that belongs to
-    other inputs (see :mod:`cuonline._lse_check`)."""
+    other inputs (see :mod:`cuonline._lse_check`). ``sums`` and ``sees`` (``batch_shape +
+    (lq,)``): arrays to add into (views of a larger problem's), or None for zeros of their own.
+    """
 
-    def __init__(self, p):
-        self.sums = np.zeros(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
-        self.sees = np.zeros(p.batch_shape + (p.lq,), dtype=bool)
+    def __init__(self, p, sums=None, sees=None):
+        shape = p.batch_shape + (p.lq,)
+        self.sums = np.zeros(shape, dtype=p.acc_dtype) if sums is None else sums
+        self.sees = np.zeros(shape, dtype=bool) if sees is None else sees
         self.ones = np.ones(blocks(p.acc_dtype)[1], dtype=p.acc_dtype)
 
     def check(self, bp):
@@ -211,6 +214,14 @@ class _RowSums:
         _lse_check.check_row_sums(np, self.sums, np.broadcast_to(bp.lse, self.sums.shape),
                                   acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
                                   products=products, sees_keys=self.sees)
+
+
+def element_gradients(bp, b, buffers, sums):
+    """One task of :func:`attention_backward` for drivers that make their own task list (the
+    packed batches of :mod:`.numpy_varlen`): add all of batch element ``b``'s gradients into
+    ``buffers`` (arrays of the padded shapes of ``bp.targets``, indexed by their slots) and its
+    rows' sums of ``P`` into ``sums`` (a :class:`RowSums`), which the caller checks."""
+    _one_batch_element(bp, b, buffers, sums)
 
 
 def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None):

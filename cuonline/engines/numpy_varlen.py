@@ -1,12 +1,22 @@
 """Packed variable-length batches on the NumPy engines (``cu_seqlens_q``, ``cu_seqlens_k``).
 
-No new numerics: the sequences of a packed batch are grouped by their shape, each group is
-stacked into one batch axis (a copy of its rows) and handed to the NumPy forward
-(:func:`.numpy.attention`), backward (:func:`.numpy_backward.attention_backward`) or
-statistics (:mod:`.numpy_stats`) as an ordinary :class:`cuonline._validate.Problem`, whose
-results are scattered back into the packed layout. So the work is ``sum_b len_q(b) * len_k(b)``, no tile crosses two sequences, and the
-sequences of one group (every 300-residue protein, say) are one call whose tasks keep the
-pool busy, however short each sequence is.
+No new numerics. The forward and the backward run the whole batch as one task list on the
+pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
+sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
+:func:`.numpy_backward.element_gradients`), on the sequence's own
+:class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
+writing straight into the packed results; consecutive short units share a task
+(``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
+problem only, so the results are the same for every ``workers``. A backward over 256
+proteins of distinct lengths is then one pool run of thousands of tasks, not hundreds of
+small engine calls, each with its own copies of the rows and its own tail of idle workers.
+
+With fewer units than cores (a few long sequences), and for the statistics
+(:mod:`.numpy_stats`), the sequences are grouped by their shape, each group is stacked into
+one batch axis (a copy of its rows) and handed to the NumPy engine as an ordinary
+:class:`cuonline._validate.Problem`, whose results are scattered back into the packed layout
+(the engine then splits long key ranges among the cores). Either way the work is
+``sum_b len_q(b) * len_k(b)`` and no tile crosses two sequences.
 
 A group is the sequences that share their query length and diagonal (:func:`cuonline.
 _semantics.sequence_diagonals`). At the default offsets the diagonal is ``len_k - len_q``, so
@@ -31,7 +41,7 @@ if TYPE_CHECKING:
     from .._validate import BackwardProblem, Problem, StatsProblem
 
 __all__ = ["Group", "attention", "attention_backward", "attention_stats", "groups",
-           "place_rows", "received", "row_state", "weights_of_rows"]
+           "place_rows", "received", "row_state", "sequence_problem", "weights_of_rows"]
 
 
 @dataclass(frozen=True)
@@ -114,10 +124,89 @@ def _sub_problem(p, g: Group):
     )
 
 
+# --------------------------------------------------------------------------------------------
+# one task list for the whole packed batch
+
+# Score entries (rows x keys) of work below which consecutive units (one batch element of one
+# sequence, or one query block of it) share a task: a 50-residue protein is tens of
+# microseconds of products against the per-task Python of fetching its slices.
+TASK_WORK = 1 << 17
+
+
+def sequence_problem(p, b: int):
+    """The :class:`cuonline._validate.Problem` of sequence ``b`` of the packed problem ``p``
+    alone: its rows of ``q``, ``k``, ``v`` and ``rel_q`` as views (no copy), its own diagonal,
+    no cu_seqlens."""
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+    return dataclasses.replace(
+        p, lq=q1 - q0, lk=k1 - k0, q=p.q[..., q0:q1, :], k=p.k[..., k0:k1, :],
+        v=p.v[..., k0:k1, :], rel_q=None if p.rel_q is None else p.rel_q[..., q0:q1, :],
+        kv_lengths=None, diagonal_offset=p.sequence_diagonals[b], cu_seqlens_q=None,
+        cu_seqlens_k=None, sequence_diagonals=None)
+
+
+def _batched(units, work):
+    """``units`` cut into consecutive runs of at least ``TASK_WORK`` score entries each
+    (``work[n]`` is unit ``n``'s), the last run whatever is left: the task list. Depends on
+    the problem only, so the results do not depend on the thread count."""
+    tasks, current, total = [], [], 0
+    for unit, w in zip(units, work):
+        current.append(unit)
+        total += w
+        if total >= TASK_WORK:
+            tasks.append(current)
+            current, total = [], 0
+    if current:
+        tasks.append(current)
+    return tasks
+
+
 def attention(p: Problem) -> tuple[Any, Any]:
     """``(out, lse)`` of the packed problem ``p``: ``out`` ``S + (total_q, Dv)``, ``lse``
     ``S + (total_q,)`` (None unless ``p.return_lse``); a query of a sequence without keys
-    gets 0 and ``-inf``."""
+    gets 0 and ``-inf``.
+
+    One task list on the pool: a unit is one query block (:func:`.numpy.blocks`) of one batch
+    element of one sequence, over the keys its rows may see (:func:`.numpy.key_range`), and
+    short units share a task. With fewer units than cores (a few long sequences), the
+    sequences go by shape through :func:`.numpy.attention`, which splits key ranges."""
+    from .cpu_runtime import run_tasks, workers
+
+    batch = p.batch_shape
+    block_q = numpy_forward.blocks(p.acc_dtype)[0]
+    subs, units, work = {}, [], []
+    for b in range(len(p.cu_seqlens_q) - 1):
+        lq = int(p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b])
+        if not lq:
+            continue
+        sub = subs[b] = sequence_problem(p, b)
+        step = min(block_q, lq)
+        for e in np.ndindex(*batch):
+            for i0 in range(0, lq, step):
+                i1 = min(i0 + step, lq)
+                j0, j1 = numpy_forward.key_range(sub, e, i0, i1)
+                if j1 > j0:                    # else the row sees nothing: 0 and -inf
+                    units.append((b, e, i0, i1, j0, j1))
+                    work.append((i1 - i0) * (j1 - j0))
+    if len(units) < workers():
+        return _grouped_attention(p)
+    out = np.zeros(batch + (p.lq, p.dv), dtype=p.dtype)
+    lse = np.full(batch + (p.lq,), -np.inf, dtype=p.acc_dtype)
+
+    def run(task):
+        for b, e, i0, i1, j0, j1 in task:
+            first = int(p.cu_seqlens_q[b])
+            out[e][first + i0:first + i1], lse[e][first + i0:first + i1] = (
+                numpy_forward.attend(subs[b], e, i0, i1, j0, j1))
+
+    n_workers = workers() if p.workers is None else p.workers
+    run_tasks(_batched(units, work), run, n_workers)
+    return out, (lse if p.return_lse else None)
+
+
+def _grouped_attention(p: Problem) -> tuple[Any, Any]:
+    """:func:`attention` by one :func:`.numpy.attention` call per group of sequences."""
     batch = p.batch_shape
     out = np.zeros(batch + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(batch + (p.lq,), -np.inf, dtype=p.acc_dtype) if p.return_lse else None
@@ -132,7 +221,101 @@ def attention(p: Problem) -> tuple[Any, Any]:
 
 def attention_backward(bp: BackwardProblem) -> Gradients:
     """:class:`cuonline.Gradients` of the packed backward problem ``bp``: each gradient packed
-    (and shaped) like its input; the keys of a sequence without queries get zeros."""
+    (and shaped) like its input; the keys of a sequence without queries get zeros.
+
+    One task list on the pool: a unit is one batch element of one sequence
+    (:func:`.numpy_backward.element_gradients` on the sequence's problem, adding straight into
+    the packed gradients' rows of that element: no two units share a gradient row), and short
+    units share a task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
+    one buffer per sequence, summed in sequence order. Each row's sum of ``P`` is checked
+    once for the whole batch. With fewer units than cores, the sequences go by shape through
+    :func:`.numpy_backward.attention_backward`, which splits each into key and query blocks.
+    """
+    from .cpu_runtime import run_tasks, workers
+
+    p = bp.forward
+    acc, batch, nb = p.acc_dtype, p.batch_shape, len(p.batch_shape)
+    cq, ck = p.cu_seqlens_q, p.cu_seqlens_k
+    sequences = [b for b in range(len(cq) - 1) if cq[b + 1] > cq[b]]
+    lengths_q, lengths_k = np.diff(cq), np.diff(ck)
+    if len(sequences) * p.nbatch < workers():
+        return _grouped_backward(bp)
+    full = {"q": np.zeros(batch + (p.lq, p.d), acc), "k": np.zeros(batch + (p.lk, p.d), acc),
+            "v": np.zeros(batch + (p.lk, p.dv), acc)}
+    if "rel_q" in bp.targets:
+        full["rel_q"] = np.zeros(batch + (p.lq, p.dr), acc)
+    tables = [name for name in ("rel_bias", "rel_k") if name in bp.targets]
+    sums = numpy_backward.RowSums(p)
+    calls = {}
+    for b in sequences:
+        sub = sequence_problem(p, b)
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        rows = {"q": slice(q0, q1), "rel_q": slice(q0, q1), "k": slice(k0, k1),
+                "v": slice(k0, k1)}
+        buffers = {name: full[name][..., rows[name], :] for name in full}
+        buffers.update({name: np.zeros(batch + getattr(p, name).shape[nb:], acc)
+                        for name in tables})
+        targets = {name: Target(shape=buffers[name].shape, dtype=acc,
+                                tail=bp.targets[name].tail) for name in buffers}
+        sub_bp = dataclasses.replace(
+            bp, forward=sub, dout=bp.dout[..., q0:q1, :], out=bp.out[..., q0:q1, :],
+            lse=bp.lse[..., q0:q1], targets=targets)
+        calls[b] = (sub_bp, buffers, numpy_backward.RowSums(
+            sub, sums.sums[..., q0:q1], sums.sees[..., q0:q1]))
+    units = [(b, e) for b in sequences for e in np.ndindex(*batch)]
+    work = [int(lengths_q[b] * lengths_k[b]) for b, _ in units]
+
+    def run(task):
+        for b, e in task:
+            numpy_backward.element_gradients(calls[b][0], e, calls[b][1], calls[b][2])
+
+    n_workers = workers() if p.workers is None else p.workers
+    run_tasks(_batched(units, work), run, n_workers)
+    _check_row_sums(bp, sums, lengths_q, lengths_k)
+    for name in tables:                        # shared by every sequence: in sequence order
+        full[name] = np.zeros(batch + getattr(p, name).shape[nb:], acc)
+        for b in sequences:
+            full[name] += calls[b][1][name]
+    full["q"] *= acc.type(p.scale)             # summed without the scale, as numpy_backward
+    reduced = {name: bp.reduce(name, grad) for name, grad in full.items()}
+    return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
+                     drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
+                     drel_k=reduced.get("rel_k"))
+
+
+def _check_row_sums(bp, sums, lengths_q, lengths_k) -> None:
+    """The check of :mod:`cuonline._lse_check` on the packed rows' sums of ``P``: each row
+    with its own sequence's key count and product bound ``R`` (the largest key norm of its
+    own sequence)."""
+    from .. import _lse_check
+
+    p = bp.forward
+    n_keys = np.repeat(lengths_k, lengths_q)                         # (total_q,)
+
+    def norms(x):
+        return np.sqrt(np.einsum("...ij,...ij->...i", x, x, dtype=np.float64))
+
+    keys = norms(p.k)
+    keys = np.where(np.isnan(keys), 0.0, keys)
+    largest = np.zeros(p.batch_shape + (len(lengths_k),))
+    nonempty = np.flatnonzero(lengths_k)
+    if nonempty.size:
+        largest[..., nonempty] = np.maximum.reduceat(
+            keys, p.cu_seqlens_k[:-1][nonempty], axis=-1)
+    products = p.scale * norms(p.q) * np.repeat(largest, lengths_q, axis=-1)
+    if p.rel_q is not None:
+        table = norms(p.rel_k)
+        table = np.where(np.isnan(table), 0.0, table).max(axis=-1, initial=0.0)
+        products = products + norms(p.rel_q) * table[..., None]
+    terms = p.d + p.dr
+    _lse_check.check_row_sums(np, sums.sums, np.broadcast_to(bp.lse, sums.sums.shape),
+                              acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
+                              products=products, sees_keys=sums.sees)
+
+
+def _grouped_backward(bp: BackwardProblem) -> Gradients:
+    """:func:`attention_backward` by one :func:`.numpy_backward.attention_backward` call per
+    group of sequences."""
     p = bp.forward
     acc, batch, nb = p.acc_dtype, p.batch_shape, len(p.batch_shape)
     # per batch element, in the accumulation dtype; summed to the shapes as passed at the end
