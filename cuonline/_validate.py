@@ -955,6 +955,11 @@ def validate_attention_stats(q, k, options: Options, *, entropy=True, received=F
         raise TypeError(f"`top_k` must be an int >= 0, got {type(top_k).__name__} {top_k!r}")
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {int(top_k)}")
+    if p.backend in _CUDA_BACKENDS and p.cu_seqlens_q is not None:
+        raise ValueError(f"attention_stats of packed batches (`cu_seqlens_q`, `cu_seqlens_k`) "
+                         f"runs on the NumPy engine only (backend={p.backend!r}): the CUDA "
+                         f"statistics kernels take padded batches; use backend='numpy' (NumPy "
+                         f"arrays), or attention with the packed batch")
     if p.backend in _CUDA_BACKENDS and int(top_k) > _CUDA_STATS_MAX_TOP_K:
         raise ValueError(f"`top_k` must be at most {_CUDA_STATS_MAX_TOP_K} on the CUDA engine "
                          f"(backend={p.backend!r}: one key per lane of a warp), got {int(top_k)}; "

@@ -335,3 +335,12 @@ def test_benchmark_prints_the_three_layouts_agreeing():
         cells = [float(c) for c in rows[name]]
         assert all(c > 0 for c in cells[:2])
         assert cells[-1] < 1e-5, name                # the same attention, however laid out
+
+
+def test_cuda_statistics_refuse_packed_batches():
+    """The CUDA statistics kernels take padded batches: a packed attention_stats on a CUDA
+    backend is a ValueError naming the arguments, not a silent run on the NumPy engine."""
+    q = np.zeros((12, 4), np.float32)
+    with pytest.raises(ValueError, match="attention_stats of packed batches.*NumPy engine only"):
+        cuonline.attention_stats(q, q, cu_seqlens_q=[0, 5, 12], cu_seqlens_k=[0, 5, 12],
+                                 backend="emulate")
