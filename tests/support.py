@@ -550,3 +550,43 @@ def _run_stats_barrier_case(q, k, sources, options):
     if not all(np.isfinite(getattr(st, n)).all() for n in names):
         return float("inf")
     return max(float(np.abs(getattr(st, n) - want[n]).max()) for n in names)
+
+
+# --------------------------------------------------------------------------------------------
+# packed variable-length batches: the cases every engine's varlen tests share
+
+
+def boundaries(lengths):
+    """The ``cu_seqlens`` of sequences of these lengths: int64, 0 first, the total last."""
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
+
+def packed_case(seed, dtype, lengths_q, lengths_k, *, heads=2, d=6, dv=4):
+    """``(rng, q, k, v, cu_seqlens_q, cu_seqlens_k)``: packed q ``(heads, total_q, d)``, k and
+    v shared by the heads (a broadcast batch axis), sequences of the given lengths."""
+    rng = np.random.default_rng(seed)
+    cq, ck = boundaries(lengths_q), boundaries(lengths_k)
+    q = rng.standard_normal((heads, cq[-1], d)).astype(dtype)
+    k = rng.standard_normal((1, ck[-1], d)).astype(dtype)
+    v = rng.standard_normal((1, ck[-1], dv)).astype(dtype)
+    return rng, q, k, v, cq, ck
+
+
+def packed_option_cases(rng, total_q, heads=2, dr=3):
+    """Each per-sequence option of a packed batch, alone or with what gives it meaning."""
+    return {
+        "plain": {},
+        "causal": {"causal": True},
+        "window": {"window": (3, 1)},
+        "alibi": {"alibi_slopes": np.array([0.25, 0.5]), "causal": True},
+        "softcap": {"softcap": 1.5, "scale": 2.0},
+        "softcap_bias": {"softcap": 1.5, "softcap_bias": True, "alibi_slopes": np.array([0.3]),
+                         "rel_bias": rng.standard_normal(41)},
+        "rel_bias": {"rel_bias": rng.standard_normal((heads, 9)), "window": (None, 2)},
+        # rel_k of radius 10: clamped beyond
+        "rel_qk": {"rel_q": rng.standard_normal((heads, total_q, dr)),
+                   "rel_k": rng.standard_normal((1, 21, dr))},
+        "q_offset": {"q_offset": 2, "causal": True},
+        "k_offset": {"q_offset": 0, "k_offset": 3, "window": (4, 0),
+                     "alibi_slopes": np.array(0.2)},
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from oracle import reference_varlen_attention, reference_varlen_attention_backward
+from support import boundaries, packed_case, packed_option_cases
 
 import cuonline
 
@@ -20,39 +21,12 @@ LENGTHS_Q = [5, 0, 17, 5, 3, 64, 65, 1, 5]
 LENGTHS_K = [5, 4, 17, 5, 0, 64, 30, 1, 5]
 
 
-def cu(lengths):
-    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-
-
 def case(seed, *, heads=2, d=6, dv=4, dtype=np.float64, lengths_q=LENGTHS_Q,
          lengths_k=LENGTHS_K):
-    """Packed q (S + (total_q, D)), k and v shared by the heads (broadcast), boundaries."""
-    rng = np.random.default_rng(seed)
-    cq, ck = cu(lengths_q), cu(lengths_k)
-    q = rng.standard_normal((heads, cq[-1], d)).astype(dtype)
-    k = rng.standard_normal((1, ck[-1], d)).astype(dtype)
-    v = rng.standard_normal((1, ck[-1], dv)).astype(dtype)
-    return rng, q, k, v, cq, ck
+    return packed_case(seed, dtype, lengths_q, lengths_k, heads=heads, d=d, dv=dv)
 
 
-def options_cases(rng, total_q, heads=2, dr=3):
-    """Each per-sequence option, alone or with what gives it meaning."""
-    rel_q = rng.standard_normal((heads, total_q, dr))
-    rel_k = rng.standard_normal((1, 21, dr))        # radius 10: clamped beyond
-    return {
-        "plain": {},
-        "causal": {"causal": True},
-        "window": {"window": (3, 1)},
-        "alibi": {"alibi_slopes": np.array([0.25, 0.5]), "causal": True},
-        "softcap": {"softcap": 1.5, "scale": 2.0},
-        "softcap_bias": {"softcap": 1.5, "softcap_bias": True, "alibi_slopes": np.array([0.3]),
-                         "rel_bias": rng.standard_normal(41)},
-        "rel_bias": {"rel_bias": rng.standard_normal((heads, 9)), "window": (None, 2)},
-        "rel_qk": {"rel_q": rel_q, "rel_k": rel_k},
-        "q_offset": {"q_offset": 2, "causal": True},
-        "k_offset": {"q_offset": 0, "k_offset": 3, "window": (4, 0),
-                     "alibi_slopes": np.array(0.2)},
-    }
+options_cases = packed_option_cases
 
 
 @pytest.mark.parametrize("name", list(options_cases(np.random.default_rng(0), 1)))
@@ -169,7 +143,7 @@ def test_a_batch_of_many_tasks():
     from support import check_attention, check_gradients
 
     rng = np.random.default_rng(7)
-    cq = cu([300, 1, 0, 257, 520, 64, 129])
+    cq = boundaries([300, 1, 0, 257, 520, 64, 129])
     q, k, v, dout = (rng.standard_normal((2, cq[-1], 16)).astype(np.float32) for _ in range(4))
     tables = {"causal": True, "rel_bias": rng.standard_normal((2, 33)),
               "rel_q": rng.standard_normal((2, cq[-1], 4)),

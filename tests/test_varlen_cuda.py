@@ -15,8 +15,8 @@ import pytest
 from mutants import mutant_sources
 from oracle import (naive_attention_backward, reference_varlen_attention,
                     reference_varlen_attention_backward)
-from support import (assert_accurate, check_attention, check_races, needs_emulation,
-                     precision_of)
+from support import (assert_accurate, boundaries, check_attention, check_races, needs_emulation,
+                     packed_case, packed_option_cases, precision_of)
 
 import cuonline
 from cuonline._validate import validate_attention
@@ -33,37 +33,12 @@ LENGTHS_Q = [5, 0, 17, 1, 3, 33, 40, 1, 16]
 LENGTHS_K = [5, 4, 17, 1, 0, 65, 31, 2, 16]
 
 
-def cu(lengths):
-    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-
-
 def case(seed, dtype, *, heads=2, d=16, dv=8, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K):
-    """Packed q ``(heads, total_q, d)``, k and v shared by the heads (broadcast), boundaries."""
-    rng = np.random.default_rng(seed)
-    cq, ck = cu(lengths_q), cu(lengths_k)
-    q = rng.standard_normal((heads, cq[-1], d)).astype(dtype)
-    k = rng.standard_normal((1, ck[-1], d)).astype(dtype)
-    v = rng.standard_normal((1, ck[-1], dv)).astype(dtype)
-    return rng, q, k, v, cq, ck
+    return packed_case(seed, dtype, lengths_q, lengths_k, heads=heads, d=d, dv=dv)
 
 
-def option_cases(rng, total_q, heads=2, dr=4):
-    """Each per-sequence option, alone or with what gives it meaning."""
-    return {
-        "plain": {},
-        "causal": {"causal": True},
-        "window": {"window": (3, 1)},
-        "alibi": {"alibi_slopes": np.array([0.25, 0.5]), "causal": True},
-        "softcap": {"softcap": 1.5, "scale": 2.0},
-        "softcap_bias": {"softcap": 1.5, "softcap_bias": True, "alibi_slopes": np.array([0.3]),
-                         "rel_bias": rng.standard_normal(41)},
-        "rel_bias": {"rel_bias": rng.standard_normal((heads, 9)), "window": (None, 2)},
-        "rel_qk": {"rel_q": rng.standard_normal((heads, total_q, dr)),
-                   "rel_k": rng.standard_normal((1, 21, dr))},
-        "q_offset": {"q_offset": 2, "causal": True},
-        "k_offset": {"q_offset": 0, "k_offset": 3, "window": (4, 0),
-                     "alibi_slopes": np.array(0.2)},
-    }
+def option_cases(rng, total_q):
+    return packed_option_cases(rng, total_q, dr=4)
 
 
 def run(family, q, k, v, cq, ck, *, kernel_sources=None, **options):
@@ -96,7 +71,7 @@ def check_packed(q, k, v, cq, ck, out, lse, options, precision="highest"):
 
 
 def test_the_table_has_every_query_tile_of_every_sequence_once_heaviest_first():
-    cq, ck = cu(LENGTHS_Q), cu(LENGTHS_K)
+    cq, ck = boundaries(LENGTHS_Q), boundaries(LENGTHS_K)
     diagonals = [lk - lq for lq, lk in zip(LENGTHS_Q, LENGTHS_K)]
     for window in ((None, None), (None, 0), (3, 1)):
         table = varlen.tile_table(cq, ck, diagonals, window, 16)

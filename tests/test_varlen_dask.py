@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from oracle import (naive_attention, naive_attention_backward, reference_attention_stats,
                     reference_varlen_attention, reference_varlen_attention_backward)
-from support import GRADIENT_NAMES, accumulation_of, assert_accurate, precision_of
+from support import (GRADIENT_NAMES, accumulation_of, assert_accurate, boundaries,
+                     packed_case, packed_option_cases, precision_of)
 
 import cuonline
 
@@ -29,41 +30,18 @@ CHUNK = "cuonline-attention-chunk-"
 LENGTHS_Q = [5, 0, 17, 5, 3, 64, 65, 1, 5]
 LENGTHS_K = [5, 4, 17, 5, 0, 64, 30, 1, 5]
 
-
-def cu(lengths):
-    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-
-
-CQ, CK = cu(LENGTHS_Q), cu(LENGTHS_K)
+CQ, CK = boundaries(LENGTHS_Q), boundaries(LENGTHS_K)
 F64 = precision_of(np.float64)
 
 
 def case(seed, dtype=np.float64, heads=2, d=6, dv=4, cq=CQ, ck=CK):
     """Packed q (heads, total_q, D); k and v shared by the heads (a broadcast batch axis)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((heads, cq[-1], d)).astype(dtype)
-    k = rng.standard_normal((1, ck[-1], d)).astype(dtype)
-    v = rng.standard_normal((1, ck[-1], dv)).astype(dtype)
+    rng, q, k, v, _, _ = packed_case(seed, dtype, np.diff(cq), np.diff(ck), heads=heads, d=d,
+                                     dv=dv)
     return rng, q, k, v
 
 
-def options_cases(rng, total_q, heads=2, dr=3):
-    """Each per-sequence option, alone or with what gives it meaning."""
-    return {
-        "plain": {},
-        "causal": {"causal": True},
-        "window": {"window": (3, 1)},
-        "alibi": {"alibi_slopes": np.array([0.25, 0.5]), "causal": True},
-        "softcap": {"softcap": 1.5, "scale": 2.0},
-        "softcap_bias": {"softcap": 1.5, "softcap_bias": True, "alibi_slopes": np.array([0.3]),
-                         "rel_bias": rng.standard_normal(41)},
-        "rel_bias": {"rel_bias": rng.standard_normal((heads, 9)), "window": (None, 2)},
-        "rel_qk": {"rel_q": rng.standard_normal((heads, total_q, dr)),
-                   "rel_k": rng.standard_normal((1, 21, dr))},
-        "q_offset": {"q_offset": 2, "causal": True},
-        "k_offset": {"q_offset": 0, "k_offset": 3, "window": (4, 0),
-                     "alibi_slopes": np.array(0.2)},
-    }
+options_cases = packed_option_cases
 
 
 OPTION_NAMES = list(options_cases(np.random.default_rng(0), 1))
@@ -273,7 +251,7 @@ def test_one_token_sequences():
     """Many one-token sequences (and some empty ones) across chunks of three."""
     lengths_q = [1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
     lengths_k = [1, 0, 1, 1, 1, 1, 1, 1, 1, 1]
-    cq, ck = cu(lengths_q), cu(lengths_k)
+    cq, ck = boundaries(lengths_q), boundaries(lengths_k)
     rng, q, k, v = case(5, cq=cq, ck=ck)
     options = {"causal": True, "alibi_slopes": np.array([0.5, 1.0])}
     qd, kd, vd, _ = dask_arguments((3, 3), q, k, v, {}, cq, ck)
@@ -302,7 +280,7 @@ def test_chunks_on_sequence_boundaries_make_a_block_diagonal_graph():
     assert chunk_tasks(cuonline.attention(qd, kd, vd, cu_seqlens_q=CQ, cu_seqlens_k=CK)) == 1
     # sequence 5 (64 x 64) alone in chunks of 16: all 16 pairs, causal keeps the 10 at or
     # below the diagonal
-    cq, ck = cu([64]), cu([64])
+    cq, ck = boundaries([64]), boundaries([64])
     _, q, k, v = case(6, cq=cq, ck=ck)
     qd, kd, vd = chunked(q, 16), chunked(k, 16), chunked(v, 16)
     assert chunk_tasks(cuonline.attention(qd, kd, vd, cu_seqlens_q=cq, cu_seqlens_k=ck)) == 16
