@@ -197,8 +197,29 @@ def dtype_tag(dtype) -> str:
     return _TAGS[dtype_name(dtype)]
 
 
+class _SimtBlock:
+    """The block of the SIMT families (forward and statistics): ``warps`` warps of
+    ``rows_per_warp`` owned rows each, streaming tiles of ``32 * keys_per_lane`` rows."""
+
+    warps: int
+    rows_per_warp: int
+    keys_per_lane: int
+
+    @property
+    def block_m(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def block_n(self) -> int:
+        return 32 * self.keys_per_lane
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
 @dataclass(frozen=True)
-class AttentionSimtSpec(AttentionSpec):
+class AttentionSimtSpec(_SimtBlock, AttentionSpec):
     """One variant of the SIMT attention forward family ``attention_fwd_simt``.
 
     Attributes
@@ -227,18 +248,6 @@ class AttentionSimtSpec(AttentionSpec):
     def __post_init__(self):
         self._check_simt_shape()
         self._check_features()
-
-    @property
-    def block_m(self) -> int:
-        return self.warps * self.rows_per_warp
-
-    @property
-    def block_n(self) -> int:
-        return 32 * self.keys_per_lane
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     @property
     def shared_bytes(self) -> int:
@@ -661,7 +670,7 @@ STATS_MAX_TOP_K = 32
 
 
 @dataclass(frozen=True)
-class AttentionStatsSpec(AttentionSpec):
+class AttentionStatsSpec(_SimtBlock, AttentionSpec):
     """One variant of the statistics family ``attention_stats``
     (``kernels_cu/attention_stats.cu``: pass 1, the key-owned ``received`` pass and the rows of
     ``P``, three kernels in one module).
@@ -703,18 +712,6 @@ class AttentionStatsSpec(AttentionSpec):
     def dv(self) -> int:
         """The kernels read no values; CUONLINE_DV is the head width (unused)."""
         return self.d
-
-    @property
-    def block_m(self) -> int:
-        return self.warps * self.rows_per_warp
-
-    @property
-    def block_n(self) -> int:
-        return 32 * self.keys_per_lane
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     @property
     def shared_bytes(self) -> int:
