@@ -16,6 +16,7 @@ import pytest
 from cuonline._validate import validate_attention
 from cuonline.engines import target
 from cuonline.kernels import arguments, features, families, source
+from cuonline.kernels.launch import Launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cuonline"
@@ -265,12 +266,11 @@ def _problem(**options):
 
 def test_the_plan_takes_its_flags_from_the_feature_table():
     p = _problem(causal=True, softcap=5.0, return_lse=True, mask=np.ones((20, 20), bool))
-    assert families.plan_attention(p).spec.features == ("window", "mask", "softcap",
-                                                        "return_lse")
-    assert families.plan_attention(_problem()).spec.features == ()
+    spec = families.plan_attention(p, Launch()).spec
+    assert spec.features == ("window", "mask", "softcap", "return_lse")
+    assert families.plan_attention(_problem(), Launch()).spec.features == ()
     with pytest.raises(ValueError, match="features of attention_fwd_simt"):
-        type(families.plan_attention(p).spec)(**{**families.plan_attention(p).spec.as_dict(),
-                                                  "features": ("causal",)})
+        type(spec)(**{**spec.as_dict(), "features": ("causal",)})
 
 
 # --------------------------------------------------------------------------------------------
