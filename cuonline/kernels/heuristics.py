@@ -17,7 +17,7 @@ import numpy as np
 
 from . import features, varlen
 from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
-                    bwd_bias_tile, dtype_name)
+                    bwd_bias_tile, dtype_name, probe_shared_bytes)
 
 __all__ = ["BwdPlan", "COMBINE_WARPS", "CombinePlan", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M",
            "MMA_TILES", "REL_K_WARPS", "MmaTiles", "Plan", "arch_number", "bwd_smem_limit",
@@ -195,9 +195,8 @@ class Plan:
 
 def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
     """Shared memory of the SIMT forward block of these tiles: its spec's own count."""
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-    return AttentionSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
-                             rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
+    return probe_shared_bytes(AttentionSimtSpec, dtype=name, acc=acc_name(name), d=d, dv=dv,
+                              warps=warps, rows_per_warp=rows, keys_per_lane=keys, dr=dr)
 
 
 def relative_dr(problem) -> int:
@@ -322,10 +321,9 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None, dr=0):
     tiles = MmaTiles(*(winner or MMA_TILES[(table, name, d_bucket(width))]))
     # An arch with less shared memory than its table's (sm_86, sm_89: 99 KiB against sm_80's
     # 163): fewer stages first (latency hiding), then narrower key tiles, until the block fits.
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-
     def smem(tiles):
-        return AttentionMmaSpec(dtype=name, d=d, dv=dv, **tiles._asdict(), **rel).shared_bytes
+        return probe_shared_bytes(AttentionMmaSpec, dtype=name, d=d, dv=dv, **tiles._asdict(),
+                                  dr=dr)
 
     while smem(tiles) > limit and (tiles.stages > 1 or tiles.block_n > 16):
         tiles = (tiles._replace(stages=tiles.stages - 1) if tiles.stages > 1
@@ -493,10 +491,9 @@ def _bwd_simt_smem(name, d, dv, warps, rows, per, dr=0, bias_tile=False):
     """Shared memory of the SIMT backward block of these tiles: its spec's own count."""
     from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
 
-    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
-    return AttentionBwdSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
-                                rows_per_warp=rows, items_per_lane=per, features=names,
-                                dr=dr).shared_bytes
+    return probe_shared_bytes(AttentionBwdSimtSpec, dtype=name, acc=acc_name(name), d=d, dv=dv,
+                              warps=warps, rows_per_warp=rows, items_per_lane=per, dr=dr,
+                              bias_tile=bias_tile)
 
 
 def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
@@ -685,10 +682,8 @@ def _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile=False):
         block_c = 32 if max(d, dv) <= 32 else 16
     else:
         block_c = 64 if max(d, dv) <= 64 else 32
-    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
-    rel = dict(features=names, dr=dr)
-    need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=WARPS,
-                               block_c=block_c, **rel).shared_bytes
+    need = probe_shared_bytes(AttentionBwdMmaSpec, dtype=dtype_name(dtype), d=d, dv=dv,
+                              warps=WARPS, block_c=block_c, dr=dr, bias_tile=bias_tile)
     return WARPS, block_c, need
 
 

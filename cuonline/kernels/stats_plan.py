@@ -16,7 +16,8 @@ import numpy as np
 
 from . import arguments, features, heuristics
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
-from .specs import STATS_MAX_TOP_K, AttentionStatsSpec, acc_name, dtype_name
+from .specs import (STATS_MAX_TOP_K, AttentionStatsSpec, acc_name, dtype_name,
+                    probe_shared_bytes)
 
 __all__ = ["STATS_BUFFERS", "STATS_ENTRIES", "STATS_SIGNATURE", "StatsPlan", "choose_stats_tiles",
            "plan_stats", "stats_arguments"]
@@ -62,9 +63,8 @@ class StatsPlan:
 
 
 def _smem(name, d, rows, keys, dr):
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-    return AttentionStatsSpec(dtype=name, acc=acc_name(name), d=d, warps=WARPS,
-                              rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
+    return probe_shared_bytes(AttentionStatsSpec, dtype=name, acc=acc_name(name), d=d,
+                              warps=WARPS, rows_per_warp=rows, keys_per_lane=keys, dr=dr)
 
 
 def choose_stats_tiles(dtype, d, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, arch=DEFAULT_ARCH,
