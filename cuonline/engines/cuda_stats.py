@@ -70,7 +70,6 @@ def attention_stats(sp: StatsProblem) -> dict:
         w = sp.query_weights if received is not None else None
         if w is not None:   # S + (Lq,), possibly a broadcast view: (nbatch, lq) contiguous
             w = xp.ascontiguousarray(xp.reshape(xp.ascontiguousarray(w), (nbatch, lq)))
-        listed = rows is not None and rows.size > 0
         buffers = dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
                        top_indices=top_i, top_weights=top_w, query_weights=w,
                        received=received, weights=weights,
@@ -80,7 +79,7 @@ def attention_stats(sp: StatsProblem) -> dict:
         grids = {_PASS1: plan.grid_stats}
         if received is not None:
             grids[_RECEIVED] = plan.grid_received
-        if listed:
+        if rows is not None and rows.size:
             grids[_ROWS] = plan.grid_rows(rows.size)
         module = target.module(plan.spec)
         args = _STATS.arguments(p, plan, buffers)

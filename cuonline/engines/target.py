@@ -49,8 +49,8 @@ class Target:
         ``(family, dtype, D bucket) -> tiles`` (see :mod:`cuonline.kernels.tuning`); empty: the
         built-in tiles.
     family : str or None
-        Forces an attention family by name (tests, ``tune``): a forward family, or
-        ``"attention_bwd_simt"`` for the backward; None: the dispatchers.
+        Pins an attention family by name (tests, ``tune``): a forward family pins the forward,
+        a backward family the backward; None: the dispatch rules.
     n_splits : int or None
         Forces the number of key splits; None: the planner decides.
     kernel_sources : Mapping or None
