@@ -376,11 +376,13 @@ def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=Non
     from cuonline.engines import cuda
     from cuonline.engines.target import overrides
     from cuonline.kernels import arguments, families, heuristics
+    from cuonline.kernels.launch import Launch
     from cuonline.kernels.specs import AttentionMmaSpec
     p = problem_of(backend, q, k, v, precision, **options)
-    plan = families.plan_attention(p, n_splits=n_splits,
-                                   num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
-                                   cp_async=arguments.cp_async_aligned(p), tuned=tuned)
+    plan = families.plan_attention(p, Launch(n_splits=n_splits,
+                                             num_sms=num_sms or heuristics.DEFAULT_NUM_SMS,
+                                             cp_async=arguments.cp_async_aligned(p),
+                                             tuned=tuned))
     assert isinstance(plan.spec, AttentionMmaSpec), plan.spec.key       # the dispatcher picked it
     if expect_cp_async is not None:
         assert plan.spec.cp_async == expect_cp_async, plan.spec.key

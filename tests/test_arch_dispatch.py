@@ -16,6 +16,7 @@ from cuonline._validate import validate_attention
 from cuonline.engines import cuda
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, heuristics, specs
+from cuonline.kernels.launch import Launch
 
 DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 DTYPE_IDS = [np.dtype(t).name for t in DTYPES]
@@ -39,7 +40,7 @@ def test_older_archs_run_every_dtype_on_the_simt_family(dtype, d, arch):
     for precision in ("highest", "tf32") if dtype == np.float32 else ("highest",):
         for lq in (1, 4096):
             plan = families.plan_attention(problem(dtype, lq=lq, d=d, precision=precision),
-                                             arch=arch)
+                                           Launch(arch=arch))
             assert plan.spec.family == "attention_fwd_simt", (arch, precision, lq, plan.spec.key)
             assert plan.shared_bytes <= heuristics.simt_smem_limit(arch)
 
@@ -47,7 +48,7 @@ def test_older_archs_run_every_dtype_on_the_simt_family(dtype, d, arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90", "sm_90a", "sm_100"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["float16", "float64"])
 def test_sm80_and_newer_keep_the_tensor_cores(dtype, arch):
-    plan = families.plan_attention(problem(dtype), arch=arch)
+    plan = families.plan_attention(problem(dtype), Launch(arch=arch))
     assert plan.spec.family == "attention_fwd_mma"
 
 
@@ -62,24 +63,25 @@ def test_uses_mma_follows_the_arch():
 
 def test_forcing_the_tensor_cores_below_sm80_is_refused():
     with pytest.raises(ValueError, match=r"'attention_fwd_mma' needs sm_80.*'sm_75'"):
-        families.plan_attention(problem(np.float16), arch="sm_75", family="attention_fwd_mma")
+        families.plan_attention(problem(np.float16),
+                                Launch(arch="sm_75", family="attention_fwd_mma"))
 
 
 def test_bad_arch_names_are_refused():
     with pytest.raises(ValueError, match=r"arch must look like 'sm_80'.*'ampere'"):
-        families.plan_attention(problem(np.float16), arch="ampere")
+        families.plan_attention(problem(np.float16), Launch(arch="ampere"))
 
 
 def test_t4_shared_memory_limit():
     # float64 D = 256 takes 72 KiB on sm_80 (and on sm_70's 96 KiB), more than T4's 64 KiB
     for arch in ("sm_80", "sm_70"):
-        plan = families.plan_attention(problem(np.float64, d=256), arch=arch)
+        plan = families.plan_attention(problem(np.float64, d=256), Launch(arch=arch))
         assert 64 * 1024 < plan.shared_bytes <= heuristics.simt_smem_limit(arch)
     with pytest.raises(ValueError, match=r"D = 256.*shared memory.*sm_75.*backend='numpy'"):
-        families.plan_attention(problem(np.float64, d=256), arch="sm_75")
+        families.plan_attention(problem(np.float64, d=256), Launch(arch="sm_75"))
     # the widest float64 head that fits sm_75, and float32 D = 256 (48 KiB)
     for dtype, d in ((np.float64, 226), (np.float32, 256)):
-        plan = families.plan_attention(problem(dtype, d=d), arch="sm_75")
+        plan = families.plan_attention(problem(dtype, d=d), Launch(arch="sm_75"))
         assert plan.shared_bytes <= 64 * 1024
 
 
@@ -90,7 +92,7 @@ def test_emulated_float16_on_sm75_runs_simt_and_matches_numpy():
     p = validate_attention(q, k, v, scale=None, causal=True, window=None, bias=None, mask=None,
                            kv_lengths=None, alibi_slopes=None, softcap=None, return_lse=False,
                            backend="emulate")
-    assert families.plan_attention(p, arch="sm_75").spec.family == "attention_fwd_simt"
+    assert families.plan_attention(p, Launch(arch="sm_75")).spec.family == "attention_fwd_simt"
     with overrides(arch="sm_75"):
         out, _ = cuda.attention(p)
     ref, _ = reference_attention(q, k, v, causal=True)

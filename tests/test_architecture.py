@@ -5,6 +5,7 @@ engines."""
 from __future__ import annotations
 
 import ast
+import inspect
 import subprocess
 import sys
 import threading
@@ -15,7 +16,8 @@ import pytest
 
 from cuonline._validate import validate_attention
 from cuonline.engines import target
-from cuonline.kernels import arguments, features, families, source
+from cuonline.kernels import arguments, features, families, source, stats_plan
+from cuonline.kernels.launch import Launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cuonline"
@@ -238,6 +240,95 @@ def test_every_family_names_existing_files_and_entries():
             assert listed and all(s.key.startswith(family.name + "_") for s in listed)
 
 
+def _one_call_of_every_family():
+    """``{family name: (problem, launch, buffers)}``: one small call of every family, on
+    NumPy arrays (the planners and argument builders are pure: no GPU, no compiler)."""
+    from cuonline._validate import validate_axis_input
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 20, 8)).astype(np.float16) for _ in range(3))
+    p = validate_attention(q, k, v, causal=True, backend="emulate")
+    out, lse = np.zeros((2, 20, 8), np.float16), np.zeros((2, 20), np.float32)
+    ws_out, ws_lse = np.zeros((2, 2, 20, 8), np.float32), np.zeros((2, 2, 20), np.float32)
+    grads = {name: np.zeros((2, 20, 8), np.float32) for name in ("dq", "dk", "dv")}
+    stats = {name: None for name in stats_plan.STATS_BUFFERS}
+    stats.update(lse=lse, entropy=lse, max_weight=lse, argmax=np.zeros((2, 20), np.int64))
+    x = rng.standard_normal((3, 50))
+    sm = validate_axis_input(x, -1, None, "emulate", mode="softmax")
+    backward = (p, Launch(), dict(dout=out, lse=lse, delta=lse, **grads, ds=None,
+                                  drel_bias=None, drel_q=None, drel_k=None, row_sums=lse))
+    return {
+        "attention_fwd_simt": (p, Launch(family="attention_fwd_simt"), dict(out=out, lse=None)),
+        "attention_fwd_mma": (p, Launch(family="attention_fwd_mma"), dict(out=out, lse=None)),
+        "attention_combine": (p, Launch(n_splits=2),
+                              dict(ws_out=ws_out, ws_lse=ws_lse, out=out, lse=None)),
+        "attention_bwd_simt": backward,
+        "attention_bwd_mma": backward,
+        "softmax": (sm, Launch(), dict(x=x, mask=None, out=np.empty_like(x))),
+        "attention_stats": (validate_attention(q, k, v[..., :0], return_lse=True,
+                                               backend="emulate"), Launch(top_k=2), stats),
+    }
+
+
+def test_every_family_plans_and_builds_its_arguments_through_one_signature():
+    # the engines call any family the same way: planner(problem, launch) -> plan (with its
+    # spec), arguments(problem, plan, buffers) -> the kernels' argument tuples
+    calls = _one_call_of_every_family()
+    assert set(calls) == {f.name for f in families.FAMILIES}
+    for family in families.FAMILIES:
+        assert list(inspect.signature(family.planner).parameters) == ["problem", "launch"]
+        assert list(inspect.signature(family.arguments).parameters) == ["problem", "plan",
+                                                                       "buffers"]
+        problem, launch, buffers = calls[family.name]
+        plan = family.planner(problem, launch)
+        assert (plan.spec is None) == (family.spec is None), family.name
+        if family.spec is not None:
+            assert type(plan.spec) is family.spec
+        args = family.arguments(problem, plan, buffers)
+        # one tuple per entry point (the statistics' three kernels), or one for all of them
+        for tuple_ in (args.values() if isinstance(args, dict) else [args]):
+            assert isinstance(tuple_, tuple) and not any(
+                type(a) in (int, float) for a in tuple_), family.name   # explicit C types
+        with pytest.raises(TypeError, match="buffers"):
+            family.arguments(problem, plan, dict(buffers, unknown=None))
+
+
+def test_the_backward_has_one_dispatch_rule():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 20, 8)).astype(np.float16) for _ in range(3))
+    p = validate_attention(q, k, v, causal=True, backend="emulate")
+    simt, mma = "attention_bwd_simt", "attention_bwd_mma"
+
+    def family(**launch):
+        return families.plan_backward(p, Launch(**launch)).spec.family
+
+    # tensor cores on sm_80+ for finite inputs; non-finite ones, and older archs, take SIMT
+    for arch in ("sm_80", "sm_86", "sm_90"):
+        assert family(arch=arch) == mma
+        assert family(arch=arch, finite_inputs=False) == simt
+        assert family(arch=arch, finite_inputs=lambda: False) == simt
+    assert family(arch="sm_75") == simt
+    # the scan of the inputs runs only where it decides: not for exact float32, not when pinned
+    exact = validate_attention(q.astype(np.float32), k.astype(np.float32),
+                               v.astype(np.float32), backend="emulate")
+
+    def no_scan():
+        raise AssertionError("the inputs were scanned where the family did not depend on it")
+
+    assert families.plan_backward(exact, Launch(finite_inputs=no_scan)).spec.family == simt
+    assert family(family=simt, finite_inputs=no_scan) == simt
+    # a pinned forward family pins the forward only; a pinned tensor-core backward that
+    # cannot run the call says so (no fallback)
+    assert family(family="attention_fwd_simt") == mma
+    with pytest.raises(ValueError, match="attention_bwd_mma does not run"):
+        families.plan_backward(p, Launch(family=mma, arch="sm_75"))
+    with pytest.raises(ValueError, match="family must be one of"):
+        families.plan_backward(p, Launch(family="attention_bwd"))
+    # the forward refuses a family that is not a forward one
+    with pytest.raises(ValueError, match="attention forward family"):
+        families.plan_attention(p, Launch(family=simt))
+
+
 def test_every_feature_has_its_define_and_its_arguments_in_every_family_that_supports_it():
     # the forward families, and the statistics family on the same score pipeline
     names = {f.name for f in families.forward_families()} | set(features.STATS_FAMILIES)
@@ -265,12 +356,11 @@ def _problem(**options):
 
 def test_the_plan_takes_its_flags_from_the_feature_table():
     p = _problem(causal=True, softcap=5.0, return_lse=True, mask=np.ones((20, 20), bool))
-    assert families.plan_attention(p).spec.features == ("window", "mask", "softcap",
-                                                        "return_lse")
-    assert families.plan_attention(_problem()).spec.features == ()
+    spec = families.plan_attention(p, Launch()).spec
+    assert spec.features == ("window", "mask", "softcap", "return_lse")
+    assert families.plan_attention(_problem(), Launch()).spec.features == ()
     with pytest.raises(ValueError, match="features of attention_fwd_simt"):
-        type(families.plan_attention(p).spec)(**{**families.plan_attention(p).spec.as_dict(),
-                                                  "features": ("causal",)})
+        type(spec)(**{**spec.as_dict(), "features": ("causal",)})
 
 
 # --------------------------------------------------------------------------------------------

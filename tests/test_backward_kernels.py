@@ -24,6 +24,7 @@ from support import (BFLOAT16, check_races, cuda_backend_params, make_case, need
                      problem_of)
 
 from cuonline.kernels import families, features, heuristics
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.source import read_kernel_file
 from cuonline.kernels.specs import AttentionBwdSimtSpec
 
@@ -428,7 +429,7 @@ def test_spec_key_defines_and_refusals():
 
 def test_plan_covers_every_key_and_query_tile():
     q, k, v, dout, opts = case(0, np.float32, ("bias",), lq=70, lk=45)
-    plan = heuristics.plan_bwd_simt(problem_of("emulate", q, k, v, **opts))
+    plan = heuristics.plan_bwd_simt(problem_of("emulate", q, k, v, **opts), Launch())
     spec = plan.spec
     assert spec.write_ds and spec.features == ("bias",)
     assert plan.grid_dkdv == (2 * -(-45 // spec.block_r), 1, 1)

@@ -22,6 +22,7 @@ from support import (BFLOAT16, check_gradients, check_races, cuda_backend_params
                      needs_emulation)
 
 from cuonline.kernels import families, features, heuristics
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.specs import AttentionBwdMmaSpec
 
 BACKENDS = cuda_backend_params()
@@ -113,7 +114,7 @@ def test_listing_fits_the_arch(arch):
 def test_plan_covers_every_tile():
     from support import problem_of
     dout, q, k, v, opts = case(0, np.float16, ("bias",), lq=70, lk=145)
-    plan = heuristics.plan_bwd_mma(problem_of("emulate", q, k, v, **opts), arch="sm_90")
+    plan = heuristics.plan_bwd_mma(problem_of("emulate", q, k, v, **opts), Launch(arch="sm_90"))
     assert plan.spec.write_ds and plan.spec.block_r == 64
     assert plan.grid_dkdv == (2 * 3, 1, 1) and plan.grid_dq == (2 * 2, 1, 1)
 

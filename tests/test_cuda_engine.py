@@ -23,6 +23,7 @@ from support import (BFLOAT16, OPTION_NAMES, ROOT, check_attention, check_races,
 
 from cuonline._validate import validate_attention
 from cuonline.kernels import families, heuristics
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.specs import AttentionSimtSpec
 
 pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
@@ -89,7 +90,7 @@ def test_split_keys_for_few_queries(backend, lq, lk, options):
     problem = validate_attention(q, k, v, backend="emulate", scale=None, causal=False,
                                  window=None, bias=None, mask=None, kv_lengths=None,
                                  alibi_slopes=None, softcap=None, return_lse=False)
-    assert families.plan_attention(problem).n_splits > 1   # the heuristics choose a split
+    assert families.plan_attention(problem, Launch()).n_splits > 1   # the heuristics choose a split
     check(backend, q, k, v, opts)
 
 

@@ -22,6 +22,7 @@ from cuonline._validate import validate_attention
 from cuonline.engines import cuda
 from cuonline.engines.target import overrides
 from cuonline.kernels import arguments, families
+from cuonline.kernels.launch import Launch
 
 ENGINES = ["numpy", pytest.param("simt", marks=needs_emulation),
            pytest.param("mma", marks=needs_emulation)]
@@ -223,8 +224,8 @@ def run_mma(q, k, v, *, n_splits=None, **options):
     kwargs.update(options)
     precision = "tf32" if q.dtype == np.float32 else "highest"
     p = validate_attention(q, k, v, backend="emulate", precision=precision, **kwargs)
-    plan = families.plan_attention(p, n_splits=n_splits, family="attention_fwd_mma",
-                                   cp_async=arguments.cp_async_aligned(p), tuned={})
+    plan = families.plan_attention(p, Launch(n_splits=n_splits, family="attention_fwd_mma",
+                                             cp_async=arguments.cp_async_aligned(p), tuned={}))
     with overrides(n_splits=n_splits, family="attention_fwd_mma", tuned={}):
         out, lse = cuda.attention(p)
     return np.asarray(out, np.float64), np.asarray(lse, np.float64), plan

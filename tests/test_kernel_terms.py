@@ -20,6 +20,7 @@ from support import (BFLOAT16, check_attention, check_races, needs_emulation, ne
 import cuonline
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, heuristics, source
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.specs import AttentionMmaSpec, AttentionSimtSpec
 
 SIMT, MMA = "attention_fwd_simt", "attention_fwd_mma"
@@ -185,7 +186,7 @@ def test_split_keys_with_the_relative_terms(place):
 
 def _planned_key(place, q, k, v, opts, **plan):
     p = problem_of("emulate", q, k, v, **opts)
-    return families.plan_attention(p, family=place[1], **plan).spec.key
+    return families.plan_attention(p, Launch(family=place[1], **plan)).spec.key
 
 
 # --------------------------------------------------------------------------------------------

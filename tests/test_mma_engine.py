@@ -22,6 +22,7 @@ from support import (BFLOAT16, OPTION_NAMES, check_attention, check_races, cuda_
                      make_case, needs_emulation, needs_nvrtc, oracle_errors, problem_of, run_mma)
 
 from cuonline.kernels import families, heuristics, source
+from cuonline.kernels.launch import Launch
 from cuonline.toolchain import nvrtc
 from cuonline.kernels.specs import MMA_INSTRUCTIONS, AttentionMmaSpec
 
@@ -135,7 +136,7 @@ def test_split_keys_for_few_queries(backend, dtype, lq, lk):
     q, k, v, opts = make_case(lq + lk, batch=(3,), lq=lq, lk=lk, d=32, dv=24, dtype=dt,
                               options=("causal", "kv_lengths", "return_lse"))
     p = problem_of("emulate", q, k, v, precision, **opts)
-    assert families.plan_attention(p).n_splits > 1      # the heuristics choose a split
+    assert families.plan_attention(p, Launch()).n_splits > 1      # the heuristics choose a split
     check(backend, q, k, v, opts, precision=precision)
 
 
@@ -287,15 +288,15 @@ def test_mma_tiles_fit_the_budgets():
 def test_plan_keys_are_readable():
     q, k, v, _ = make_case(1, lq=4096 // 64, lk=64, d=64, dv=64, dtype=np.float16)
     p = problem_of("emulate", q, k, v, causal=True)
-    plan = families.plan_attention(p)
+    plan = families.plan_attention(p, Launch())
     # 64 queries: four warps of one 16-row query tile (two per warp from 65 queries on)
     assert plan.spec.key == "attention_fwd_mma_f16_d64_dv64_bm64_bn32_s2_window"
     assert plan.block == (128, 1, 1) and plan.shared_bytes == plan.spec.shared_bytes
     q, k, v, _ = make_case(1, lq=65, lk=64, d=64, dv=64, dtype=np.float16)
-    plan = families.plan_attention(problem_of("emulate", q, k, v))
+    plan = families.plan_attention(problem_of("emulate", q, k, v), Launch())
     assert plan.spec.key == "attention_fwd_mma_f16_d64_dv64_bm96_mt2_bn32_s2"   # 3 x 32 rows
     assert plan.block == (96, 1, 1)
-    forced = families.plan_attention(p, family="attention_fwd_simt")
+    forced = families.plan_attention(p, Launch(family="attention_fwd_simt"))
     assert forced.spec.family == "attention_fwd_simt"
 
 

@@ -19,6 +19,7 @@ import cuonline
 from cuonline._validate import validate_attention
 from cuonline.engines.target import overrides
 from cuonline.kernels import families
+from cuonline.kernels.launch import Launch
 
 # (engine, forced family, dtype): float64 on NumPy (tight), the SIMT kernel in float32, the
 # tensor-core kernel in float16 (its D = 32 tiles, one warp).
@@ -311,10 +312,10 @@ def test_softcap_bias_without_bias_or_alibi_is_the_default_cap():
     q = np.zeros((2, 20, 8), np.float32)
     p = validate_attention(q, q, q, softcap=3.0, softcap_bias=True, backend="emulate")
     assert not p.softcap_bias
-    assert "softcap_bias" not in families.plan_attention(p).spec.key
+    assert "softcap_bias" not in families.plan_attention(p, Launch()).spec.key
     p = validate_attention(q, q, q, softcap=3.0, softcap_bias=True, backend="emulate",
                            bias=np.zeros((20, 20)))
-    assert families.plan_attention(p).spec.key.endswith("_softcap_softcap_bias")
+    assert families.plan_attention(p, Launch()).spec.key.endswith("_softcap_softcap_bias")
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((30, 8)) for _ in range(3))
     np.testing.assert_allclose(cuonline.attention(q, k, v, softcap=3.0, softcap_bias=True),

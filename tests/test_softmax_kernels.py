@@ -25,6 +25,7 @@ from cuonline._validate import validate_axis_input
 from cuonline.engines import cuda_softmax
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, softmax_plan, source
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.specs import SOFTMAX_MODES, SoftmaxSpec
 
 pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
@@ -71,7 +72,7 @@ def plan(dtype, mode, has_mask, n, nrows, **knobs):
     x = np.broadcast_to(np.zeros((), dtype), (1, n))     # the planner reads shapes and dtypes
     mask = np.broadcast_to(True, (1, n)) if has_mask else None
     return softmax_plan.plan_softmax(validate_axis_input(x, -1, mask, "emulate", mode=mode),
-                                     nrows, **knobs)
+                                     Launch(nrows=nrows, **knobs))
 
 
 def oracle(mode, x, axis=-1, mask=None, keepdims=False, scale=1.0):

@@ -16,6 +16,7 @@ from support import (BFLOAT16, TOLERANCE, check_races, cuda_backend_params, need
 import cuonline
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, stats_plan
+from cuonline.kernels.launch import Launch
 from cuonline.kernels.specs import STATS_MAX_TOP_K
 
 pytestmark = pytest.mark.slow   # the fast tier (-m 'not slow') leaves it out
@@ -275,8 +276,8 @@ def test_a_nan_query_stays_in_its_row(backend):
 
 def test_the_planner_takes_more_rows_for_larger_grids():
     p = _problem(np.zeros((4, 2048, 64), np.float32), np.zeros((4, 2048, 64), np.float32))
-    big = stats_plan.plan_stats(p, top_k=4, num_sms=132)
-    small = stats_plan.plan_stats(_problem(np.zeros((1, 40, 64)), np.zeros((1, 40, 64))))
+    big = stats_plan.plan_stats(p, Launch(top_k=4, num_sms=132))
+    small = stats_plan.plan_stats(_problem(np.zeros((1, 40, 64)), np.zeros((1, 40, 64))), Launch())
     assert big.spec.block_m > small.spec.block_m and big.spec.top_k and not small.spec.top_k
     assert big.grid_stats[0] == 4 * -(-2048 // big.spec.block_m)
     assert big.spec.key.startswith("attention_stats_f32_d64_")

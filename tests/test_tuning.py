@@ -24,6 +24,7 @@ from cuonline._validate import validate_attention
 from cuonline.engines import cuda, target, tune, tuning_files
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, heuristics, tuning
+from cuonline.kernels.launch import Launch
 from cuonline.toolchain import nvrtc
 from cuonline.kernels.specs import AttentionMmaSpec
 
@@ -225,36 +226,37 @@ def test_import_reads_no_tuning_file():
 
 def test_mma_plan_takes_the_stored_winner():
     p = problem(np.float16, 64, 300)
-    builtin = families.plan_attention(p).spec
+    builtin = families.plan_attention(p, Launch()).spec
     assert (builtin.warps, builtin.block_n, builtin.stages, builtin.m_tiles) == (4, 32, 2, 2)
     table = {("attention_fwd_mma", "float16", 64): (8, 32, 1, 1)}
-    spec = families.plan_attention(p, tuned=table).spec
+    spec = families.plan_attention(p, Launch(tuned=table)).spec
     assert (spec.warps, spec.block_n, spec.stages, spec.m_tiles) == (8, 32, 1, 1)
     # the winner of the bucket serves narrower heads; other dtypes/buckets keep the table
-    narrow = families.plan_attention(problem(np.float16, 40, 300), tuned=table).spec
+    narrow = families.plan_attention(problem(np.float16, 40, 300), Launch(tuned=table)).spec
     assert (narrow.warps, narrow.block_n, narrow.stages, narrow.m_tiles) == (8, 32, 1, 1)
-    other = families.plan_attention(problem(np.float16, 128, 300), tuned=table).spec
+    other = families.plan_attention(problem(np.float16, 128, 300), Launch(tuned=table)).spec
     assert (other.warps, other.block_n, other.stages, other.m_tiles) == (4, 64, 2, 1)
-    assert families.plan_attention(p, tuned={}).spec == builtin
+    assert families.plan_attention(p, Launch(tuned={})).spec == builtin
     # few queries: the winner's warps are still capped at one per 16 rows
-    few = families.plan_attention(problem(np.float16, 64, 17, 300), tuned=table).spec
+    few = families.plan_attention(problem(np.float16, 64, 17, 300), Launch(tuned=table)).spec
     assert (few.warps, few.block_n, few.stages) == (2, 32, 1)
 
 
 def test_simt_plan_takes_the_stored_winner():
     p = problem(np.float32, 64, 4096, nbatch=16)
-    builtin = families.plan_attention(p).spec
+    builtin = families.plan_attention(p, Launch()).spec
     table = {("attention_fwd_simt", "float32", 64): (8, 4, 1)}
-    spec = families.plan_attention(p, tuned=table).spec
+    spec = families.plan_attention(p, Launch(tuned=table)).spec
     assert (spec.warps, spec.rows_per_warp, spec.keys_per_lane) == (8, 4, 1)
     # the TF32 winner is another family's: no effect on exact float32
     assert families.plan_attention(
-        p, tuned={("attention_fwd_mma", "float32", 64): (8, 32, 1, 1)}).spec == builtin
+        p, Launch(tuned={("attention_fwd_mma", "float32", 64): (8, 32, 1, 1)})).spec == builtin
     # decoding shapes keep the built-in rules
-    assert families.plan_attention(problem(np.float32, 64, 1, 300), tuned=table).spec == \
-        families.plan_attention(problem(np.float32, 64, 1, 300)).spec
+    assert families.plan_attention(problem(np.float32, 64, 1, 300), Launch(tuned=table)).spec == \
+        families.plan_attention(problem(np.float32, 64, 1, 300), Launch()).spec
+    table = {("attention_fwd_mma", "float32", 64): (8, 32, 1, 1)}
     tf32 = families.plan_attention(problem(np.float32, 64, 300, precision="tf32"),
-                                     tuned={("attention_fwd_mma", "float32", 64): (8, 32, 1, 1)})
+                                   Launch(tuned=table))
     assert isinstance(tf32.spec, AttentionMmaSpec) and tf32.spec.block_n == 32
 
 
@@ -262,7 +264,7 @@ def test_engine_forwards_the_table(monkeypatch):
     """The target's ``tuned`` (set through the seam) reaches the planner; the emulation loads
     no file."""
     monkeypatch.setattr(target.Target, "module", lambda self, spec: None)
-    monkeypatch.setattr(cuda, "_launch", lambda p, plan, module: plan)
+    monkeypatch.setattr(cuda, "_launch", lambda p, launch, plan, module: plan)
 
     def no_loading():
         raise AssertionError("the emulation must not load stored winners")
@@ -273,7 +275,7 @@ def test_engine_forwards_the_table(monkeypatch):
     with overrides(tuned=table):
         spec = cuda.attention(p).spec
     assert (spec.warps, spec.block_n, spec.stages, spec.m_tiles) == (2, 128, 1, 1)
-    assert cuda.attention(p).spec == families.plan_attention(p).spec
+    assert cuda.attention(p).spec == families.plan_attention(p, Launch()).spec
 
 
 # --------------------------------------------------------------------------------------------

@@ -164,6 +164,7 @@ def test_grid_bound_holds_for_every_family_at_its_edge():
     """Just below the bound validation accepts, and every family plans a grid within CUDA's
     limit (the planner's check is an internal assertion)."""
     from cuonline.kernels import families, heuristics
+    from cuonline.kernels.launch import Launch
 
     nbatch = heuristics.MAX_GRID_X // 5            # Lq = 17: at most 5 blocks of 4 rows
     p = validate_attention(_zeros(nbatch, 17, 64), _zeros(1, 40, 64), _zeros(1, 40, 64),
@@ -172,7 +173,7 @@ def test_grid_bound_holds_for_every_family_at_its_edge():
         for arch in ("sm_75", "sm_90"):
             if family.name.endswith("mma") and arch == "sm_75":
                 continue
-            plan = families.plan_attention(p, family=family.name, arch=arch)
+            plan = families.plan_attention(p, Launch(family=family.name, arch=arch))
             assert plan.grid[0] <= heuristics.MAX_GRID_X
 
 

@@ -22,6 +22,7 @@ import cuonline
 from cuonline._validate import validate_attention
 from cuonline.engines.target import overrides
 from cuonline.kernels import families, heuristics, varlen
+from cuonline.kernels.launch import Launch
 
 SIMT, MMA = "attention_fwd_simt", "attention_fwd_mma"
 BWD_SIMT, BWD_MMA = "attention_bwd_simt", "attention_bwd_mma"
@@ -94,7 +95,7 @@ def test_the_plan_launches_the_table_without_a_key_split():
     p = validate_attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True,
                            backend="emulate")
     for family in (SIMT, MMA):
-        plan = families.plan_attention(p, family=family, n_splits=8)   # a split is refused
+        plan = families.plan_attention(p, Launch(family=family, n_splits=8))   # a split is refused
         assert plan.n_splits == 1 and not plan.spec.split
         assert plan.spec.features == ("window", "varlen")
         assert plan.spec.key.endswith("_window_varlen")
@@ -108,7 +109,8 @@ def test_the_backward_plan_has_a_block_per_key_tile_and_per_query_tile_of_each_s
     rng, q, k, v, cq, ck = case(0, np.float16, heads=3)
     p = validate_attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, window=(3, 1),
                            backend="emulate")
-    for plan in (heuristics.plan_bwd_simt(p), heuristics.plan_bwd_mma(p, arch="sm_90")):
+    for plan in (heuristics.plan_bwd_simt(p, Launch()),
+                 heuristics.plan_bwd_mma(p, Launch(arch="sm_90"))):
         table, key_tiles = plan.varlen
         r = plan.spec.block_r
         assert plan.spec.features == ("window", "varlen")
@@ -247,7 +249,7 @@ def test_tensor_core_backward_matches_the_oracle(name, dtype):
     dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(dtype)
     p = validate_attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, backend="emulate",
                            **options)
-    assert "bwd_mma" in heuristics.plan_bwd_mma(p).spec.key   # the family runs it
+    assert "bwd_mma" in heuristics.plan_bwd_mma(p, Launch()).spec.key   # the family runs it
     g = varlen_gradients(BWD_MMA, q, k, v, cq, ck, dout, **options)
     check_packed_gradients(g, dout, q, k, v, cq, ck, options)
 

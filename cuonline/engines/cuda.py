@@ -59,13 +59,12 @@ def _run(p, target):
         out, lse = _run(padded, target)
         return (out[..., :0] if p.dv == 0 else out), lse
 
-    plan = families.plan_attention(p, arch=target.arch, num_sms=target.num_sms,
-                                   n_splits=target.n_splits, family=target.family,
-                                   tuned=target.tuned, cp_async=arguments.cp_async_aligned(p))
-    return _launch(p, plan, target.module(plan.spec))
+    launch = target.launch(cp_async=arguments.cp_async_aligned(p))
+    plan = families.plan_attention(p, launch)
+    return _launch(p, launch, plan, target.module(plan.spec))
 
 
-def _launch(p, plan, module):
+def _launch(p, launch, plan, module):
     xp = p.xp
     spec = plan.spec
     family = families.of(spec)
@@ -75,9 +74,9 @@ def _launch(p, plan, module):
         # Partial, already normalised (out, lse) per split, merged by the combine kernel.
         ws_out = xp.empty((plan.n_splits, p.nbatch, p.lq, p.dv), dtype=p.acc_dtype)
         ws_lse = xp.empty((plan.n_splits, p.nbatch, p.lq), dtype=p.acc_dtype)
-        args = family.arguments(p, plan, ws_out, ws_lse)
+        args = family.arguments(p, plan, dict(out=ws_out, lse=ws_lse))
     else:
-        args = family.arguments(p, plan, out, lse)
+        args = family.arguments(p, plan, dict(out=out, lse=lse))
 
     (entry,) = family.entries
     fwd = module.get_function(entry)
@@ -87,9 +86,8 @@ def _launch(p, plan, module):
 
     if plan.n_splits > 1:
         (combine,) = family.includes
-        nrows = p.nbatch * p.lq
-        grid, block = combine.planner(nrows)
+        merge = combine.planner(p, dataclasses.replace(launch, n_splits=plan.n_splits))
         (entry,) = combine.entries
-        module.get_function(entry)(grid, block, combine.arguments(ws_out, ws_lse, out, lse,
-                                                                  nrows, plan.n_splits))
+        module.get_function(entry)(merge.grid, merge.block, combine.arguments(
+            p, merge, dict(ws_out=ws_out, ws_lse=ws_lse, out=out, lse=lse)))
     return out, lse

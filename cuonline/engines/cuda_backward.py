@@ -2,12 +2,12 @@
 (``backend="cupy"``) or emulated on the CPU with NumPy arrays (``backend="emulate"``).
 
 The same steps as the forward engine (:mod:`cuonline.engines.cuda`): target
-(:func:`cuonline.engines.target.current`) -> family (the tensor-core one,
+(:func:`cuonline.engines.target.current`) -> plan
+(:func:`cuonline.kernels.families.plan_backward`: the tensor-core family,
 ``kernels_cu/attention_bwd_mma.cu``, on sm_80+ for 16-bit and float64 inputs and float32 with
-``precision="tf32"``, with the options it has and finite inputs; else
-``kernels_cu/attention_bwd_simt.cu``) -> plan
-(:func:`cuonline.kernels.heuristics.plan_bwd_mma` or ``plan_bwd_simt``: tiles and spec) ->
-module (the target compiles the family's text) -> typed arguments
+``precision="tf32"``, with the options it has and finite inputs, else
+``kernels_cu/attention_bwd_simt.cu``; its planner's tiles and spec) -> module (the target
+compiles the family's text) -> typed arguments
 (:func:`cuonline.kernels.arguments.attention_bwd_arguments`) -> launches: dK/dV, then dQ (once
 per batch element sharing a bias), then with rel_q/rel_k the rel_k kernel.
 
@@ -18,8 +18,9 @@ sums of the kernels' partials (a block bias's slots, the query tiles' relative p
 array of Lq x Lk places is allocated unless it is the gradient (a bias, once per distinct
 bias: the batch elements sharing it add into it one dQ launch after another): the dQ kernel
 reduces a block bias's, rel_bias's and rel_q/rel_k's gradients per tile, rel_k's rows between
-its clamped ends come from the rel_k kernel (``kernels_cu/attention_grads.cuh``). The dQ kernel also sums each row's weights P; an ``lse`` under
-which they do not sum to 1 is a ValueError (:func:`cuonline._lse_check.check_row_sums`).
+its clamped ends come from the rel_k kernel (``kernels_cu/attention_grads.cuh``). The dQ
+kernel also sums each row's weights P; an ``lse`` under which they do not sum to 1 is a
+ValueError (:func:`cuonline._lse_check.check_row_sums`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import dataclasses
 import numpy as np
 
 from .. import _lse_check
-from ..kernels import arguments, families, features, heuristics
-from ..kernels.specs import AttentionBwdMmaSpec
+from ..kernels import arguments, families, heuristics
 from . import target as _target
 
 __all__ = ["attention_backward", "block_bias_slots", "gradients"]
@@ -88,7 +88,6 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     shape = p.batch_shape
     dout = xp.broadcast_to(dout, shape + (p.lq, p.dv))
     out = xp.broadcast_to(out, shape + (p.lq, p.dv))
-    want_ds = heuristics.bwd_writes_ds(features.backward_of_problem(p))
     rel_bias = getattr(p, "rel_bias", None) is not None
     rel_qk = _has_rel_qk(p)
     if p.nbatch == 0 or p.lq == 0 or p.lk == 0:
@@ -114,8 +113,13 @@ def _run(p, dout, out, lse, target, bias_shape=None):
             g["dv"] = g["dv"][..., :0]
         return g
 
-    plan = _plan(p, dout, target, want_ds)
+    plan = families.plan_backward(p, target.launch(
+        cp_async=(arguments.cp_async_aligned(p)
+                  and arguments.view_cp_async_aligned(dout, p.batch_shape)),
+        finite_inputs=lambda: all(bool(xp.isfinite(_distinct(x)).all())
+                                  for x in (p.q, p.k, p.v, dout))))
     family = families.of(plan.spec)
+    want_ds = plan.spec.write_ds
     nb = p.nbatch
     # a bias shared along batch dimensions: the batch elements reordered so that those sharing
     # it are `sharing` runs of `nb // sharing` (order[b'] = b; None: the given order)
@@ -159,8 +163,9 @@ def _run(p, dout, out, lse, target, bias_shape=None):
     drel_k = xp.zeros((nb, tiles, 2, p.dr), dtype=acc) if rel_qk else None
     rel_k_rows = xp.zeros((nb, 2 * p.rel_k_radius + 1, p.dr), dtype=acc) if rel_qk else None
     row_sums = xp.empty((nb, p.lq), dtype=acc)
-    args = family.arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums, varlen=plan.varlen)
+    args = family.arguments(p, plan, dict(dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv,
+                                          ds=ds, drel_bias=drel_bias, drel_q=drel_q,
+                                          drel_k=drel_k, row_sums=row_sums))
     if order is not None:
         # the operands' offset rows and the per-element tables in the same order
         args = _reordered(args, order)
@@ -298,28 +303,6 @@ def _distinct(x):
     """The elements of the broadcast view ``x`` once each: its zero-stride axes cut to length 1
     (k and v shared by a group of query heads are scanned once, not once per head)."""
     return x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.strides)]
-
-
-def _plan(p, dout, target, want_ds):
-    """The launch plan: the tensor-core family where it runs the call
-    (:func:`cuonline.kernels.families.backward_family`) and every q, k, v and dout element is
-    finite (its mmas would carry a NaN or inf into rows that do not see it, where the SIMT
-    family skips zero weights), else the SIMT family."""
-    names = features.backward_of_problem(p)
-    if target.family == "attention_bwd_simt":      # tests pin a family (overrides(family=))
-        return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
-    # the tensor-core family where its block fits the arch (not float64 with a wide
-    # rel_q/rel_k on a 99 KiB GPU), else the SIMT family plans it or says why not
-    family = families.backward_family(p.dtype, p.d, p.dv, names, target.arch, p.precision,
-                                      p.dr if "rel_qk" in names else 0)
-    xp = p.xp
-    if family.spec is AttentionBwdMmaSpec and all(
-            bool(xp.isfinite(_distinct(x)).all()) for x in (p.q, p.k, p.v, dout)):
-        cp_async = (arguments.cp_async_aligned(p)
-                    and arguments.view_cp_async_aligned(dout, p.batch_shape))
-        return heuristics.plan_bwd_mma(p, arch=target.arch, write_ds=want_ds,
-                                       cp_async=cp_async)
-    return heuristics.plan_bwd_simt(p, arch=target.arch, write_ds=want_ds)
 
 
 def _has_rel_qk(p):

@@ -59,12 +59,10 @@ def run(problem: SoftmaxProblem) -> Any:
             sub_x, sub_o = xv[index], ov[index]
             sub_m = None if mv is None else mv[index]
             nrows = math.prod(sub_x.shape[:-1])
-            plan = _SOFTMAX.planner(p, nrows, num_sms=target.num_sms,
-                                    max_blocks=target.max_blocks,
-                                    min_segment=target.min_segment)
+            plan = _SOFTMAX.planner(p, target.launch(nrows=nrows))
             if module is None:  # the variant is the same for every chunk
                 module = target.module(plan.spec)
-            args = _SOFTMAX.arguments(xp, sub_x, sub_m, sub_o, plan, p.scale)
+            args = _SOFTMAX.arguments(p, plan, dict(x=sub_x, mask=sub_m, out=sub_o))
             if plan.segments == 1:
                 module.get_function(entry)(plan.grid, plan.block, args)
             else:  # statistics per segment, then merge and write (see softmax.cu)

@@ -4,11 +4,12 @@ CPU with NumPy arrays (``backend="emulate"``).
 
 The attention engine's path: target (:func:`cuonline.engines.target.current`, once per call)
 -> plan (:func:`cuonline.kernels.stats_plan.plan_stats`, the registry's planner of the
-``attention_stats`` family) -> module (:meth:`cuonline.engines.target.Target.module`) -> typed
-arguments (:func:`cuonline.kernels.stats_plan.stats_arguments`) -> launches: pass 1 (lse,
-entropy, max weight, argmax, top-k), then, from its lse, the key-owned ``received`` pass and
-the rows of ``P``. Every result is written by one thread in a fixed order: two runs give the
-same bits.
+``attention_stats`` family, ``planner(problem, launch)``) -> module
+(:meth:`cuonline.engines.target.Target.module`) -> typed arguments
+(:func:`cuonline.kernels.stats_plan.stats_arguments`, ``arguments(problem, plan, buffers)``)
+-> launches: pass 1 (lse, entropy, max weight, argmax, top-k), then, from its lse, the
+key-owned ``received`` pass and the rows of ``P``. Every result is written by one thread in
+a fixed order: two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -64,28 +65,29 @@ def attention_stats(sp: StatsProblem) -> dict:
         p = dataclasses.replace(p, d=1, q=zeros(lq), k=zeros(lk))
     # the planner's errors (top_k, options, shared memory) come before the empty shortcut, so
     # that a call is refused for its arguments whatever its lengths
-    plan = _STATS.planner(p, top_k=top_k, arch=target.arch, num_sms=target.num_sms)
+    plan = _STATS.planner(p, target.launch(top_k=top_k))
     if nbatch and lq and lk:
-        tails = {_PASS1: dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
-                              top_indices=top_i, top_weights=top_w, top_k=top_k)}
+        w = sp.query_weights if received is not None else None
+        if w is not None:   # S + (Lq,), possibly a broadcast view: (nbatch, lq) contiguous
+            w = xp.ascontiguousarray(xp.reshape(xp.ascontiguousarray(w), (nbatch, lq)))
+        buffers = dict(lse=lse, entropy=entropy, max_weight=max_weight, argmax=argmax,
+                       top_indices=top_i, top_weights=top_w, query_weights=w,
+                       received=received, weights=weights,
+                       rows=None if rows is None else xp.ascontiguousarray(rows, dtype=np.int64))
+        # in order: pass 1 writes the lse the other two read (one stream); a pass is launched
+        # where its results are asked for
         grids = {_PASS1: plan.grid_stats}
         if received is not None:
-            w = sp.query_weights
-            if w is not None:   # S + (Lq,), possibly a broadcast view: (nbatch, lq) contiguous
-                w = xp.ascontiguousarray(xp.reshape(xp.ascontiguousarray(w), (nbatch, lq)))
-            tails[_RECEIVED] = dict(lse=lse, query_weights=w, received=received)
             grids[_RECEIVED] = plan.grid_received
         if rows is not None and rows.size:
-            tails[_ROWS] = dict(lse=lse, rows=xp.ascontiguousarray(rows, dtype=np.int64),
-                                nrows=rows.size, weights=weights)
             grids[_ROWS] = plan.grid_rows(rows.size)
         module = target.module(plan.spec)
-        # in order: pass 1 writes the lse the other two read (one stream)
-        for entry, args in _STATS.arguments(p, tails).items():
+        args = _STATS.arguments(p, plan, buffers)
+        for entry, grid in grids.items():
             kernel = module.get_function(entry)
             if plan.shared_bytes > heuristics.SMEM_NO_OPT_IN:
                 kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
-            kernel(grids[entry], plan.block, args, shared_mem=plan.shared_bytes)
+            kernel(grid, plan.block, args[entry], shared_mem=plan.shared_bytes)
 
     def shaped(x):   # (nbatch, ...) -> S + (...)
         return None if x is None else xp.reshape(x, p.batch_shape + x.shape[1:])

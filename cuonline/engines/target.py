@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..kernels import heuristics, softmax_plan, source
+from ..kernels.launch import Launch
 
 __all__ = ["EMULATE_ARCH", "EMULATE_NUM_SMS", "Target", "current", "overrides"]
 
@@ -48,8 +49,8 @@ class Target:
         ``(family, dtype, D bucket) -> tiles`` (see :mod:`cuonline.kernels.tuning`); empty: the
         built-in tiles.
     family : str or None
-        Forces an attention family by name (tests, ``tune``): a forward family, or
-        ``"attention_bwd_simt"`` for the backward; None: the dispatchers.
+        Pins an attention family by name (tests, ``tune``): a forward family pins the forward,
+        a backward family the backward; None: the dispatch rules.
     n_splits : int or None
         Forces the number of key splits; None: the planner decides.
     kernel_sources : Mapping or None
@@ -73,6 +74,15 @@ class Target:
     max_blocks: int = softmax_plan.MAX_BLOCKS
     max_rows_per_launch: int = softmax_plan.MAX_ROWS_PER_LAUNCH
     min_segment: int = softmax_plan.MIN_SEGMENT
+
+    def launch(self, **choices: Any) -> Launch:
+        """The :class:`cuonline.kernels.launch.Launch` of one call on this target (arch, SM
+        count, tune winners, the pinned family and key splits, the softmax caps) with the
+        call's own ``choices`` (``cp_async``, ``top_k``, ``finite_inputs``, ``nrows``, ...):
+        the one input, beside the problem, of every family's planner."""
+        return Launch(arch=self.arch, num_sms=self.num_sms, family=self.family,
+                      n_splits=self.n_splits, tuned=self.tuned, max_blocks=self.max_blocks,
+                      min_segment=self.min_segment, **choices)
 
     def module(self, spec):
         """The compiled module of ``spec``, looked up by the spec, the replaced kernel texts and

@@ -62,9 +62,8 @@ class DeviceRunner:
         compiled for ``problem`` with ``table`` (CuPy reads them from the loaded module)."""
         with self._forced(table):
             where = target.current("cupy")
-        plan = families.plan_attention(problem, arch=where.arch, num_sms=where.num_sms,
-                                       family=where.family, tuned=where.tuned,
-                                       cp_async=arguments.cp_async_aligned(problem))
+        plan = families.plan_attention(
+            problem, where.launch(cp_async=arguments.cp_async_aligned(problem)))
         kernel = where.module(plan.spec).get_function(families.of(plan.spec).entries[0])
         return int(kernel.num_regs), int(kernel.local_size_bytes)
 

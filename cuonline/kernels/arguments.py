@@ -15,9 +15,10 @@ import numpy as np
 from .. import _semantics
 from . import varlen
 
-__all__ = ["ATTENTION_BWD_SIGNATURE", "ATTENTION_FWD_SIGNATURE", "COMBINE_SIGNATURE", "OPERANDS",
-           "SOFTMAX_SIGNATURE", "UNBOUNDED", "attention_bwd_arguments", "attention_fwd_arguments",
-           "combine_arguments", "cp_async_aligned", "softmax_arguments",
+__all__ = ["ATTENTION_BWD_SIGNATURE", "ATTENTION_FWD_SIGNATURE", "BWD_BUFFERS", "COMBINE_BUFFERS",
+           "COMBINE_SIGNATURE", "FWD_BUFFERS", "OPERANDS", "SOFTMAX_BUFFERS", "SOFTMAX_SIGNATURE",
+           "UNBOUNDED", "attention_bwd_arguments", "attention_fwd_arguments", "buffers_of",
+           "combine_arguments", "cp_async_aligned", "score_arguments", "softmax_arguments",
            "view_cp_async_aligned"]
 
 #: Window sides at or beyond this are "unbounded" for the kernel (64-bit arithmetic, no overflow).
@@ -119,11 +120,23 @@ def _radius(radius, name):
     return np.int32(radius)
 
 
-def attention_fwd_arguments(p, plan, out, lse):
-    """The arguments of ``cuonline_attention_fwd`` and ``cuonline_attention_mma``
-    (:data:`ATTENTION_FWD_SIGNATURE`), explicitly typed.
+def buffers_of(buffers, names, family) -> dict:
+    """``buffers`` (a mapping) as ``{name: array}`` in the order of ``names``: the arrays a
+    ``family``'s kernels write or read beyond the problem. TypeError naming both when its keys
+    are not exactly ``names``."""
+    if set(buffers) != set(names):
+        raise TypeError(f"{family}'s arguments take the buffers {', '.join(names)}, got "
+                        f"{', '.join(sorted(buffers))}")
+    return {name: buffers[name] for name in names}
 
-    ``out``/``lse`` are the final outputs, or the split workspaces when ``plan.n_splits > 1``.
+
+def _score_values(p, extra=()):
+    """The values every attention kernel takes from the problem, by parameter name: the score
+    operands (:data:`OPERANDS`, then the ``(name, view)`` pairs ``extra``: the backward's
+    dout), their offset table ``(nbatch, operands)`` and strides ``(operands, 2)`` (int64
+    NumPy arrays: :func:`_ordered` moves them to the device once they are final), and the
+    option scalars, explicitly typed.
+
     An option the call does not use passes its neutral value (a null pointer, an unbounded
     window side, a softcap of 1): the variant compiled without it never reads it.
     """
@@ -131,17 +144,14 @@ def attention_fwd_arguments(p, plan, out, lse):
     acc = np.dtype(p.acc_dtype).type
     nbatch = p.nbatch
     arrays, offsets, strides = {}, [], []
-    for name in OPERANDS:
-        x = getattr(p, name)
+    for name, x in [(name, getattr(p, name)) for name in OPERANDS] + list(extra):
         if name == "rel_bias" and x is not None:
             if x.strides[-1] != x.dtype.itemsize:
                 # the kernels read rel_bias rows with unit stride (attention_score.cuh)
                 x = xp.ascontiguousarray(x)
             x = x[..., None, :]              # batch_shape + (1, R): a view, one row
-        if name == "rel_q" and p.dr == 0:
+        if name in ("rel_q", "rel_k") and p.dr == 0:
             x = None                         # Dr = 0: the term is 0, no variant reads it
-        if name == "rel_k" and p.dr == 0:
-            x = None
         if x is None:
             arrays[name] = None
             offsets.append(np.zeros(nbatch, dtype=np.int64))
@@ -150,14 +160,8 @@ def attention_fwd_arguments(p, plan, out, lse):
         arrays[name], off, st = _operand(xp, x, p.batch_shape)
         offsets.append(off)
         strides.append(st)
-    offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)  # (nbatch, 8)
-    strides = np.asarray(strides, dtype=np.int64).reshape(len(OPERANDS), 2)   # (8, 2)
-    table = getattr(plan, "varlen", None)
-    packed = dict(varlen_tiles=None, varlen_seqs=None, varlen_n_tiles=np.int32(0))
-    if table is not None:
-        offsets, packed = _varlen_values(xp, table, offsets, strides)
-    if xp is not np:
-        offsets, strides = xp.asarray(offsets), xp.asarray(strides)
+    offsets = np.ascontiguousarray(np.stack(offsets, axis=1), dtype=np.int64)
+    strides = np.asarray(strides, dtype=np.int64).reshape(len(strides), 2)
     if arrays["mask"] is not None and xp is np:
         arrays["mask"] = arrays["mask"].view(np.uint8)  # the kernel reads bytes (unsigned char*)
     # (nbatch,) arrays: with batch shape () these are 0-d (or, for a NumPy minimum, scalars),
@@ -168,51 +172,103 @@ def attention_fwd_arguments(p, plan, out, lse):
     # a block taller (wider) than the queries (keys) is one block: clipped, the sizes fit int32
     rows, cols = p.bias_block if p.bias_block is not None else (1, 1)
     rows, cols = min(rows, max(p.lq, 1)), min(cols, max(p.lk, 1))
-    values = dict(
-        arrays, kv_lengths=kv_lengths, alibi_slopes=slopes, out=out, lse=lse,
+    return dict(
+        arrays, kv_lengths=kv_lengths, alibi_slopes=slopes,
         offsets=offsets, strides=strides, lq=np.int32(p.lq), lk=np.int32(p.lk),
         diagonal_offset=np.int64(p.diagonal_offset),    # clamped to +-2**53 by validation
         scale=acc(p.scale), softcap=acc(p.softcap if p.softcap is not None else 1.0),
         window_left=np.int64(UNBOUNDED if left is None else left),
         window_right=np.int64(UNBOUNDED if right is None else right),
-        split_keys=np.int64(plan.split_keys),
         bias_block_rows=np.int32(rows), bias_block_cols=np.int32(cols),
         rel_bias_radius=_radius(p.rel_bias_radius, "rel_bias"),
         rel_k_radius=_radius(p.rel_k_radius, "rel_k"),
-        **packed,
+        varlen_tiles=None, varlen_seqs=None, varlen_n_tiles=np.int32(0),
     )
-    return tuple(values[name] for name in ATTENTION_FWD_SIGNATURE)
 
 
-def _varlen_values(xp, table, offsets, strides):
-    """A packed batch's offset table (a row per (sequence, batch element), q and rel_q at
-    the sequence's first query, k and v at its first key: :func:`cuonline.kernels.varlen.
-    expand_offsets`) and its kernel arguments ``varlen_tiles``, ``varlen_seqs`` and
-    ``varlen_n_tiles`` (the plan's :class:`cuonline.kernels.varlen.TileTable`)."""
-    offsets = varlen.expand_offsets(offsets, strides, table, OPERANDS, ("q", "rel_q"),
-                                    ("k", "v"))
-    tiles, seqs = table.tiles, table.seqs
+#: The index tables the builders make on the host, moved to the device once they are final.
+_HOST_TABLES = ("offsets", "strides", "varlen_tiles", "varlen_key_tiles", "varlen_seqs")
+
+
+def _ordered(xp, values, signature) -> tuple:
+    """``values`` in ``signature`` order, the host tables (:data:`_HOST_TABLES`) on ``xp``'s
+    device."""
     if xp is not np:
-        tiles, seqs = xp.asarray(tiles), xp.asarray(seqs)
-    return offsets, dict(varlen_tiles=tiles, varlen_seqs=seqs,
-                         varlen_n_tiles=np.int32(len(table)))
+        values = dict(values, **{name: xp.asarray(values[name]) for name in _HOST_TABLES
+                                 if values.get(name) is not None})
+    return tuple(values[name] for name in signature)
 
 
-def combine_arguments(ws_out, ws_lse, out, lse, nrows, n_splits):
-    """The arguments of ``cuonline_attention_combine`` (:data:`COMBINE_SIGNATURE`): the split
-    workspaces ``(n_splits, nrows, Dv)`` and ``(n_splits, nrows)``, merged into ``out`` and
-    ``lse`` (or None)."""
-    return (ws_out, ws_lse, out, lse, np.int64(nrows), np.int32(n_splits))
+def score_arguments(p, signature) -> tuple:
+    """The problem's values that ``signature`` names, in its order (a subset of
+    :data:`ATTENTION_FWD_SIGNATURE`): the score operands, their offsets and strides and the
+    option scalars, for a kernel that takes no more from the problem (the statistics
+    kernels' common head)."""
+    return _ordered(p.xp, _score_values(p), signature)
 
 
-def softmax_arguments(xp, x, mask, out, plan, scale):
+def _varlen_values(table, offsets, strides, operands, q_side):
+    """A packed batch's offset table (a row per (sequence, batch element), the ``q_side``
+    operands moved to the sequence's first query, k and v to its first key:
+    :func:`cuonline.kernels.varlen.expand_offsets`) and the arguments of its
+    :class:`cuonline.kernels.varlen.TileTable` ``table``, on the host."""
+    return dict(offsets=varlen.expand_offsets(offsets, strides, table, operands, q_side,
+                                              ("k", "v")),
+                varlen_tiles=table.tiles, varlen_seqs=table.seqs,
+                varlen_n_tiles=np.int32(len(table)))
+
+
+#: The arrays the forward kernels write (the ``buffers`` of :func:`attention_fwd_arguments`).
+FWD_BUFFERS = ("out", "lse")
+
+
+def attention_fwd_arguments(problem, plan, buffers):
+    """The arguments of ``cuonline_attention_fwd`` and ``cuonline_attention_mma``
+    (:data:`ATTENTION_FWD_SIGNATURE`), explicitly typed.
+
+    ``buffers`` holds :data:`FWD_BUFFERS`: ``out`` and ``lse`` (or None), the final outputs
+    or, when ``plan.n_splits > 1``, the split workspaces. A packed batch takes its block table
+    from ``plan.varlen``.
+    """
+    values = dict(_score_values(problem),
+                  **buffers_of(buffers, FWD_BUFFERS, "attention forward"),
+                  split_keys=np.int64(plan.split_keys))
+    if plan.varlen is not None:
+        values.update(_varlen_values(plan.varlen, values["offsets"], values["strides"],
+                                     OPERANDS, ("q", "rel_q")))
+    return _ordered(problem.xp, values, ATTENTION_FWD_SIGNATURE)
+
+
+#: The arrays the split-key combine reads and writes (the ``buffers`` of
+#: :func:`combine_arguments`).
+COMBINE_BUFFERS = ("ws_out", "ws_lse", "out", "lse")
+
+
+def combine_arguments(problem, plan, buffers):
+    """The arguments of ``cuonline_attention_combine`` (:data:`COMBINE_SIGNATURE`):
+    ``buffers`` holds :data:`COMBINE_BUFFERS`, the split workspaces ``ws_out`` ``(n_splits,
+    nrows, Dv)`` and ``ws_lse`` ``(n_splits, nrows)`` merged into ``out`` and ``lse`` (or
+    None); ``plan`` is the :class:`cuonline.kernels.heuristics.CombinePlan`."""
+    arrays = buffers_of(buffers, COMBINE_BUFFERS, "attention_combine")
+    return (*arrays.values(), np.int64(plan.nrows), np.int32(plan.n_splits))
+
+
+#: The views the softmax kernels read and write (the ``buffers`` of
+#: :func:`softmax_arguments`).
+SOFTMAX_BUFFERS = ("x", "mask", "out")
+
+
+def softmax_arguments(problem, plan, buffers):
     """The arguments of ``cuonline_softmax`` (:data:`SOFTMAX_SIGNATURE`), explicitly typed (the
     two segment kernels take the workspace and the segment length after them).
 
-    ``x``, ``mask`` (or None) and ``out`` are views of one shape ``rows_shape + (n,)``.
+    ``buffers`` holds :data:`SOFTMAX_BUFFERS`: ``x``, ``mask`` (or None) and ``out``, views of
+    one shape ``rows_shape + (n,)``, the rows of this launch of
+    :class:`cuonline._validate.SoftmaxProblem` ``problem`` with the reduced axis last.
     """
+    xp = problem.xp
+    x, mask, out = views = tuple(buffers_of(buffers, SOFTMAX_BUFFERS, "softmax").values())
     acc = _semantics.accumulation_dtype(x.dtype).type
-    views = (x, mask, out)
     steps = [(0,) * x.ndim if v is None else tuple(s // v.dtype.itemsize for s in v.strides)
              for v in views]
     # (row_ndim, 4): extent, then the x, mask and out element strides of each row dimension;
@@ -226,8 +282,9 @@ def softmax_arguments(xp, x, mask, out, plan, scale):
     return (
         x, mask, out, layout, np.int32(layout.shape[0]), np.int64(nrows),
         np.int64(x.shape[-1]), *(np.int64(s[-1]) for s in steps),
-        np.int32(plan.rows_per_block), acc(scale),
+        np.int32(plan.rows_per_block), acc(problem.scale),
     )
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,64 +304,39 @@ ATTENTION_BWD_SIGNATURE = (
 )
 
 
-class _NoSplit:
-    """The part of a forward plan :func:`attention_fwd_arguments` reads: no key split."""
+#: The arrays the backward kernels read and write beyond the problem (the ``buffers`` of
+#: :func:`attention_bwd_arguments`).
+BWD_BUFFERS = ("dout", "lse", "delta", "dq", "dk", "dv", "ds", "drel_bias", "drel_q", "drel_k",
+               "row_sums")
 
-    def __init__(self, lk):
-        self.split_keys = lk
 
-
-def attention_bwd_arguments(p, dout, lse, delta, dq, dk, dv, ds, drel_bias, drel_q, drel_k,
-                            row_sums, varlen=None):
+def attention_bwd_arguments(problem, plan, buffers):
     """The arguments of the backward kernels (:data:`ATTENTION_BWD_SIGNATURE`), explicitly
     typed.
 
-    ``p`` is the forward :class:`cuonline._validate.Problem`; ``dout`` a view broadcast to
-    ``batch_shape + (lq, dv)`` (any strides: addressed through the offset table's last
-    column, after the forward's :data:`OPERANDS`); ``lse`` and ``delta`` contiguous
-    ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous ``(nbatch, lq|lk, d|dv)``, ``ds``
-    ``(nbatch, lq, lk)`` (a bias's gradient) or None, the relative gradients' partials
-    ``drel_bias`` ``(nbatch, n_query_tiles, Rb)``, ``drel_q`` ``(nbatch, lq, Dr)`` and
-    ``drel_k`` ``(nbatch, n_query_tiles, 2, Dr)`` (rel_k's end rows; the rel_k kernel gets
-    its ``(nbatch, Rk, Dr)`` rows in this place), zero-filled, or None, ``row_sums``
-    ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
-    accumulation dtype. A packed batch: ``varlen`` is the plan's ``(TileTable, key tiles)``
-    (:func:`cuonline.kernels.varlen.tile_table`, :func:`cuonline.kernels.varlen.
-    key_tile_table`), the relative partials have a slot per dQ block (``n_query_tiles`` the
-    table's length).
+    ``problem`` is the forward :class:`cuonline._validate.Problem`; ``buffers`` holds
+    :data:`BWD_BUFFERS`: ``dout`` a view broadcast to ``batch_shape + (lq, dv)`` (any strides:
+    addressed through the offset table's last column, after the forward's :data:`OPERANDS`);
+    ``lse`` and ``delta`` contiguous ``(nbatch, lq)``, ``dq``/``dk``/``dv`` contiguous
+    ``(nbatch, lq|lk, d|dv)``, ``ds`` ``(nbatch, lq, lk)`` (a bias's gradient) or None, the
+    relative gradients' partials ``drel_bias`` ``(nbatch, n_query_tiles, Rb)``, ``drel_q``
+    ``(nbatch, lq, Dr)`` and ``drel_k`` ``(nbatch, n_query_tiles, 2, Dr)`` (rel_k's end rows;
+    the rel_k kernel gets its ``(nbatch, Rk, Dr)`` rows in this place), zero-filled, or None,
+    ``row_sums`` ``(nbatch, lq)`` (the dQ kernel's record of each row's sum of P), all in the
+    accumulation dtype. A packed batch takes its tables from ``plan.varlen``: ``(TileTable,
+    key tiles)`` (:func:`cuonline.kernels.varlen.tile_table`,
+    :func:`cuonline.kernels.varlen.key_tile_table`); its relative partials have a slot per dQ
+    block (``n_query_tiles`` the table's length).
     """
-    xp = p.xp
-    forward = dict(zip(ATTENTION_FWD_SIGNATURE,
-                       attention_fwd_arguments(p, _NoSplit(p.lk), None, None)))
-    dout, off, st = _operand(xp, dout, p.batch_shape)
-    if xp is not np:
-        off, st = xp.asarray(off), xp.asarray(np.asarray(st, dtype=np.int64))
-    # (nbatch, len(OPERANDS) + 1) and (len(OPERANDS) + 1, 2): dout's column and row last
-    offsets = xp.ascontiguousarray(
-        xp.concatenate([forward["offsets"], xp.reshape(off, (-1, 1))], axis=1))
-    strides = xp.ascontiguousarray(
-        xp.concatenate([forward["strides"], xp.reshape(xp.asarray(st, dtype=np.int64), (1, 2))],
-                       axis=0))
-    values = dict(forward, dout=dout, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ds=ds,
-                  drel_bias=drel_bias, drel_q=drel_q, drel_k=drel_k,
-                  row_sums=row_sums, offsets=offsets, strides=strides,
+    arrays = buffers_of(buffers, BWD_BUFFERS, "attention backward")
+    # dout is addressed through the offset table like the operands: its column comes last
+    values = dict(_score_values(problem, extra=[("dout", arrays.pop("dout"))]), **arrays,
                   varlen_key_tiles=None, varlen_n_key_tiles=np.int32(0))
-    if varlen is not None:
-        values.update(_varlen_bwd_values(xp, varlen, offsets, strides))
-    return tuple(values[name] for name in ATTENTION_BWD_SIGNATURE)
-
-
-def _varlen_bwd_values(xp, tables, offsets, strides):
-    """A packed batch's backward arguments: the offset table with a row per (sequence, batch
-    element) (dout moved to the sequence's first query, as q and rel_q; k and v to its first
-    key), the dQ kernel's query tiles, the dK/dV kernel's key tiles and the sequences."""
-    table, key_tiles = tables
-    host = [x if xp is np else x.get() for x in (offsets, strides)]   # (nbatch, 9), (9, 2)
-    offsets = varlen.expand_offsets(*host, table, OPERANDS + ("dout",), ("q", "rel_q", "dout"),
-                                    ("k", "v"))
-    arrays = dict(offsets=offsets, varlen_tiles=table.tiles, varlen_key_tiles=key_tiles,
-                  varlen_seqs=table.seqs)
-    if xp is not np:
-        arrays = {name: xp.asarray(x) for name, x in arrays.items()}
-    return dict(arrays, varlen_n_tiles=np.int32(len(table)),
-                varlen_n_key_tiles=np.int32(key_tiles.shape[0]))
+    if plan.varlen is not None:
+        table, key_tiles = plan.varlen
+        # dout moves to the sequence's first query, as q and rel_q
+        values.update(_varlen_values(table, values["offsets"], values["strides"],
+                                     OPERANDS + ("dout",), ("q", "rel_q", "dout")),
+                      varlen_key_tiles=key_tiles,
+                      varlen_n_key_tiles=np.int32(key_tiles.shape[0]))
+    return _ordered(problem.xp, values, ATTENTION_BWD_SIGNATURE)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import arguments, features, heuristics, softmax_plan, stats_plan
-from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
+from .heuristics import DEFAULT_ARCH
 from .specs import (SOFTMAX_MODES, AttentionBwdMmaSpec, AttentionBwdSimtSpec, AttentionMmaSpec,
                     AttentionSimtSpec, AttentionStatsSpec, SoftmaxSpec, acc_name,
                     bwd_bias_tile)
 
 __all__ = ["FAMILIES", "Family", "backward_family", "entries_of", "files_of", "forward_families",
-           "get", "of", "listing_specs", "plan_attention", "select_forward"]
+           "get", "of", "listing_specs", "plan_attention", "plan_backward", "select_forward"]
 
 #: Pasted first into every family's text: online-softmax state, warp reductions, PTX helpers.
 COMMON_HEADER = "common.cuh"
@@ -45,9 +45,14 @@ class Family:
     spec : type or None
         The spec class of its variants; None for a family compiled only inside another's text.
     planner : callable
-        Problem (and launch context) -> plan of a launch.
+        ``planner(problem, launch) -> plan``: the problem (the family's
+        :mod:`cuonline._validate` value) and a :class:`cuonline.kernels.launch.Launch` give the
+        plan of its launches (spec, grids, block, shared memory).
     arguments : callable
-        The typed argument builder of its entry points.
+        ``arguments(problem, plan, buffers) -> args``: the typed arguments of its entry points
+        from the problem, the plan and ``buffers``, a mapping of the arrays the call writes or
+        reads beyond the problem (each builder names them: ``*_BUFFERS`` in
+        :mod:`cuonline.kernels.arguments`, :data:`cuonline.kernels.stats_plan.STATS_BUFFERS`).
     listing : callable or None
         ``arch -> list of specs``: the variants ``python -m cuonline kernels`` compiles.
     includes : tuple of Family
@@ -315,7 +320,7 @@ def _stats_listing(arch: str = DEFAULT_ARCH) -> list:
 
 ATTENTION_COMBINE = Family(
     name="attention_combine", source="attention_combine.cuh", headers=(COMMON_HEADER,),
-    entries=("cuonline_attention_combine",), spec=None, planner=heuristics.combine_launch,
+    entries=("cuonline_attention_combine",), spec=None, planner=heuristics.plan_combine,
     arguments=arguments.combine_arguments,
 )
 ATTENTION_FWD_SIMT = Family(
@@ -415,34 +420,61 @@ def select_forward(dtype, d, dv, precision="highest", arch=DEFAULT_ARCH) -> Fami
 def backward_family(dtype, d, dv, names=(), arch=DEFAULT_ARCH, precision="highest",
                     dr=0) -> Family:
     """The backward family for a backward of these parameters (options ``names``, rel_q/rel_k
-    of width ``dr``) on ``arch``: the tensor-core one where
+    of width ``dr``) on ``arch`` with finite inputs: the tensor-core one where
     :func:`cuonline.kernels.heuristics.bwd_uses_mma` says so, else the SIMT one."""
     return (ATTENTION_BWD_MMA if heuristics.bwd_uses_mma(dtype, d, dv, names, arch, precision,
                                                          dr)
             else ATTENTION_BWD_SIMT)
 
 
-def plan_attention(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
-                   cp_async=True, family=None, tuned=None):
-    """Plan the launch of :class:`cuonline._validate.Problem` ``problem``: choose the forward
-    family (:func:`select_forward`, or ``family`` by name), then run its planner.
+def _pinned(launch, candidates):
+    """The family among ``candidates`` that ``launch.family`` pins, or None: none pinned, or
+    one of another kind (a forward family pins the forward, a backward family the
+    backward). ValueError for a name that is no family."""
+    if launch.family is None:
+        return None
+    chosen = get(launch.family)
+    return chosen if chosen in candidates else None
 
-    ``arch`` (``"sm_70"`` ... ``"sm_90"``) selects the family and the tile tables; the SIMT
-    family runs every dtype below sm_80. ``num_sms``, ``n_splits`` (None: the planner decides),
-    ``tuned`` (``(family, dtype, D bucket) -> tiles``; None or ``{}``: the built-in choices)
-    and ``cp_async`` (q, k, v rows 16-byte aligned with unit column stride) as in
-    :func:`cuonline.kernels.heuristics.plan_mma`.
+
+def plan_attention(problem, launch):
+    """Plan the forward of :class:`cuonline._validate.Problem` ``problem`` on
+    :class:`cuonline.kernels.launch.Launch` ``launch``: the forward family (the one pinned by
+    ``launch.family``, else :func:`select_forward` on ``launch.arch``; the SIMT family runs
+    every dtype below sm_80), then its planner (tiles from ``launch.num_sms`` and
+    ``launch.tuned``, key splits, ``launch.cp_async``: see
+    :func:`cuonline.kernels.heuristics.plan_mma`).
     """
-    heuristics.arch_number(arch)   # ValueError for a malformed arch
-    if family is None:
-        chosen = select_forward(problem.dtype, problem.d, problem.dv, problem.precision, arch)
-    else:
-        chosen = get(family)
-        if chosen.runs is None:
-            raise ValueError(f"family must be an attention forward family "
-                             f"({', '.join(f.name for f in forward_families())}), got {family!r}")
-    return chosen.planner(problem, arch=arch, num_sms=num_sms, n_splits=n_splits, tuned=tuned,
-                          cp_async=cp_async)
+    heuristics.arch_number(launch.arch)   # ValueError for a malformed arch
+    chosen = _pinned(launch, forward_families())
+    if chosen is None and launch.family is not None:
+        raise ValueError(f"family must be an attention forward family "
+                         f"({', '.join(f.name for f in forward_families())}), "
+                         f"got {launch.family!r}")
+    if chosen is None:
+        chosen = select_forward(problem.dtype, problem.d, problem.dv, problem.precision,
+                                launch.arch)
+    return chosen.planner(problem, launch)
+
+
+def plan_backward(problem, launch):
+    """Plan the backward of :class:`cuonline._validate.Problem` ``problem`` (its forward
+    description) on :class:`cuonline.kernels.launch.Launch` ``launch``: the backward family
+    pinned by ``launch.family``, else the tensor-core one where :func:`backward_family` says
+    it runs the call and every q, k, v and dout element is finite
+    (``launch.inputs_finite()``, asked only then: its mmas would carry a NaN or inf into rows
+    that do not see it, where the SIMT family skips zero weights), else the SIMT one; then its
+    planner.
+    """
+    heuristics.arch_number(launch.arch)   # ValueError for a malformed arch
+    chosen = _pinned(launch, (ATTENTION_BWD_SIMT, ATTENTION_BWD_MMA))
+    if chosen is None:
+        names = features.backward_of_problem(problem)
+        chosen = backward_family(problem.dtype, problem.d, problem.dv, names, launch.arch,
+                                 problem.precision, problem.dr if "rel_qk" in names else 0)
+        if chosen is ATTENTION_BWD_MMA and not launch.inputs_finite():
+            chosen = ATTENTION_BWD_SIMT
+    return chosen.planner(problem, launch)
 
 
 def listing_specs(arch: str = DEFAULT_ARCH) -> list:

@@ -17,16 +17,14 @@ import numpy as np
 
 from . import features, varlen
 from .specs import (MMA_MAX_HEAD_DIM, AttentionMmaSpec, AttentionSimtSpec, acc_name,
-                    bwd_bias_tile, dtype_name)
+                    bwd_bias_tile, dtype_name, probe_shared_bytes)
 
-__all__ = ["BwdPlan", "COMBINE_WARPS", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M", "MMA_TILES",
-           "REL_K_WARPS",
-           "MmaTiles", "Plan", "arch_number", "bwd_smem_limit", "bwd_uses_mma",
-           "choose_bwd_mma_tiles", "choose_bwd_tiles", "plan_bwd_mma",
-           "plan_bwd_simt", "choose_mma_tiles", "choose_splits", "choose_tiles",
-           "combine_launch", "d_bucket", "mma_supported", "plan_mma", "plan_simt",
-           "relative_dr", "simt_smem_limit", "simt_smem_opt_in_limit", "tuned_tiles",
-           "uses_mma"]
+__all__ = ["BwdPlan", "COMBINE_WARPS", "CombinePlan", "D_BUCKETS", "MAX_GRID_X", "MIN_BLOCK_M",
+           "MMA_TILES", "REL_K_WARPS", "MmaTiles", "Plan", "arch_number", "bwd_smem_limit",
+           "bwd_uses_mma", "choose_bwd_mma_tiles", "choose_bwd_tiles", "plan_bwd_mma",
+           "plan_bwd_simt", "choose_mma_tiles", "choose_splits", "choose_tiles", "d_bucket",
+           "mma_supported", "plan_combine", "plan_mma", "plan_simt", "relative_dr",
+           "simt_smem_limit", "simt_smem_opt_in_limit", "tuned_tiles", "uses_mma"]
 
 DEFAULT_NUM_SMS = 132
 WARPS = 4
@@ -197,9 +195,8 @@ class Plan:
 
 def _simt_smem(name, d, dv, warps, rows, keys, dr=0):
     """Shared memory of the SIMT forward block of these tiles: its spec's own count."""
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-    return AttentionSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
-                             rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
+    return probe_shared_bytes(AttentionSimtSpec, dtype=name, acc=acc_name(name), d=d, dv=dv,
+                              warps=warps, rows_per_warp=rows, keys_per_lane=keys, dr=dr)
 
 
 def relative_dr(problem) -> int:
@@ -324,10 +321,9 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None, dr=0):
     tiles = MmaTiles(*(winner or MMA_TILES[(table, name, d_bucket(width))]))
     # An arch with less shared memory than its table's (sm_86, sm_89: 99 KiB against sm_80's
     # 163): fewer stages first (latency hiding), then narrower key tiles, until the block fits.
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-
     def smem(tiles):
-        return AttentionMmaSpec(dtype=name, d=d, dv=dv, **tiles._asdict(), **rel).shared_bytes
+        return probe_shared_bytes(AttentionMmaSpec, dtype=name, d=d, dv=dv, **tiles._asdict(),
+                                  dr=dr)
 
     while smem(tiles) > limit and (tiles.stages > 1 or tiles.block_n > 16):
         tiles = (tiles._replace(stages=tiles.stages - 1) if tiles.stages > 1
@@ -370,19 +366,39 @@ def choose_splits(n_blocks, lk, block_n, num_sms=DEFAULT_NUM_SMS):
     return math.ceil(lk / split_keys), split_keys
 
 
-def combine_launch(nrows):
-    """``(grid, block)`` of the split-key combine over ``nrows`` query rows: a warp per row."""
-    return (math.ceil(nrows / COMBINE_WARPS), 1, 1), (32 * COMBINE_WARPS, 1, 1)
+@dataclass(frozen=True)
+class CombinePlan:
+    """A launch of the split-key combine: ``n_splits`` partial results of ``nrows`` query rows
+    merged, a warp per row. No spec of its own: it is compiled in the forward's module."""
+
+    nrows: int
+    n_splits: int
+    grid: tuple
+    block: tuple
+    spec: None = None
 
 
-def _plan_forward(problem, family, block_m, block_n, make_spec, num_sms, n_splits):
+def plan_combine(problem, launch):
+    """Plan the split-key combine of ``problem``'s forward, whose plan split the keys
+    ``launch.n_splits`` ways: a warp per query row of every batch element."""
+    if launch.n_splits is None or launch.n_splits < 2:
+        raise ValueError(f"the split-key combine merges 2 or more key splits, got "
+                         f"n_splits={launch.n_splits!r}")
+    nrows = problem.nbatch * problem.lq
+    return CombinePlan(nrows=nrows, n_splits=launch.n_splits,
+                       grid=(math.ceil(nrows / COMBINE_WARPS), 1, 1),
+                       block=(32 * COMBINE_WARPS, 1, 1))
+
+
+def _plan_forward(problem, family, block_m, block_n, make_spec, launch):
     """The part of a forward plan every family shares: key splits, grid, flags, spec."""
     if getattr(problem, "cu_seqlens_q", None) is not None:
         return _plan_varlen(problem, family, block_m, make_spec)
     n_qtiles = math.ceil(problem.lq / block_m)
+    n_splits = launch.n_splits
     if n_splits is None:
         n_splits, split_keys = choose_splits(problem.nbatch * n_qtiles, problem.lk, block_n,
-                                             num_sms)
+                                             launch.num_sms)
     else:
         split_keys = math.ceil(math.ceil(problem.lk / max(n_splits, 1)) / block_n) * block_n
         n_splits = max(1, math.ceil(problem.lk / split_keys))
@@ -396,20 +412,20 @@ def _plan_forward(problem, family, block_m, block_n, make_spec, num_sms, n_split
                 shared_bytes=spec.shared_bytes)
 
 
-def plan_simt(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
-              tuned=None, cp_async=True):
+def plan_simt(problem, launch):
     """Plan :class:`cuonline._validate.Problem` ``problem`` on the SIMT family.
 
-    ``arch`` bounds the block's shared memory (:func:`choose_tiles`), ``num_sms`` steers the
-    tile height and the key split, ``n_splits`` forces a number of key splits (None:
-    :func:`choose_splits`), ``tuned`` maps ``(family, dtype, D bucket)`` to the tiles ``python
-    -m cuonline tune`` measured fastest (:func:`tuned_tiles`). ``cp_async`` is unused (one
-    loader reads any strides); it is taken so that every forward planner has one signature.
+    From :class:`~cuonline.kernels.launch.Launch` ``launch``: ``arch`` bounds the block's
+    shared memory (:func:`choose_tiles`), ``num_sms`` steers the tile height and the key
+    split, ``n_splits`` forces a number of key splits (None: :func:`choose_splits`),
+    ``tuned`` maps ``(family, dtype, D bucket)`` to the tiles ``python -m cuonline tune``
+    measured fastest (:func:`tuned_tiles`). One loader reads any strides: ``cp_async`` is not
+    read.
     """
     dtype = dtype_name(problem.dtype)
     dr = relative_dr(problem)
     warps, rows, keys = choose_tiles(dtype, problem.d, problem.dv, problem.lq, problem.nbatch,
-                                     num_sms, tuned, arch, dr)
+                                     launch.num_sms, launch.tuned, launch.arch, dr)
 
     def make_spec(**flags):
         return AttentionSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
@@ -417,27 +433,27 @@ def plan_simt(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=N
                                  keys_per_lane=keys, dr=dr, **flags)
 
     return _plan_forward(problem, AttentionSimtSpec.family, warps * rows, 32 * keys, make_spec,
-                         num_sms, n_splits)
+                         launch)
 
 
-def plan_mma(problem, *, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS, n_splits=None,
-             tuned=None, cp_async=True):
-    """Plan ``problem`` on the tensor-core family (sm_80 and newer); arguments as
-    :func:`plan_simt`, and ``cp_async``: whether q, k and v rows are 16-byte aligned with unit
-    column stride (else the kernel loads element by element)."""
+def plan_mma(problem, launch):
+    """Plan ``problem`` on the tensor-core family (sm_80 and newer); ``launch`` as for
+    :func:`plan_simt`, and its ``cp_async``: whether q, k and v rows are 16-byte aligned with
+    unit column stride (else the kernel loads element by element)."""
+    arch = launch.arch
     if not mma_supported(arch):
         raise ValueError(f"family {AttentionMmaSpec.family!r} needs sm_{MIN_MMA_ARCH} or newer "
                          f"(mma.sync, cp.async), got arch {arch!r}")
     dtype = dtype_name(problem.dtype)
     dr = relative_dr(problem)
-    tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, tuned, dr)
+    tiles = choose_mma_tiles(dtype, problem.d, problem.dv, problem.lq, arch, launch.tuned, dr)
 
     def make_spec(**flags):
-        return AttentionMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, cp_async=cp_async,
-                                **tiles._asdict(), dr=dr, **flags)
+        return AttentionMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv,
+                                cp_async=launch.cp_async, **tiles._asdict(), dr=dr, **flags)
 
     return _plan_forward(problem, AttentionMmaSpec.family, 16 * tiles.m_tiles * tiles.warps,
-                         tiles.block_n, make_spec, num_sms, n_splits)
+                         tiles.block_n, make_spec, launch)
 
 
 def _plan_varlen(problem, family, block_m, make_spec):
@@ -475,10 +491,9 @@ def _bwd_simt_smem(name, d, dv, warps, rows, per, dr=0, bias_tile=False):
     """Shared memory of the SIMT backward block of these tiles: its spec's own count."""
     from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
 
-    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
-    return AttentionBwdSimtSpec(dtype=name, acc=acc_name(name), d=d, dv=dv, warps=warps,
-                                rows_per_warp=rows, items_per_lane=per, features=names,
-                                dr=dr).shared_bytes
+    return probe_shared_bytes(AttentionBwdSimtSpec, dtype=name, acc=acc_name(name), d=d, dv=dv,
+                              warps=warps, rows_per_warp=rows, items_per_lane=per, dr=dr,
+                              bias_tile=bias_tile)
 
 
 def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
@@ -554,10 +569,10 @@ class BwdPlan:
 REL_K_WARPS = 4
 
 
-def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
+def plan_bwd_simt(problem, launch):
     """Plan the backward of :class:`cuonline._validate.Problem` ``problem`` (its forward
-    description) on the SIMT backward family. ``write_ds``: the dQ kernel writes dS for the
-    host's bias-gradient reductions (None: where a bias-type term is given,
+    description) on the SIMT backward family, on ``launch.arch``. ``launch.write_ds``: the dQ
+    kernel writes dS, a plain bias's gradient (None: where the problem has one,
     :func:`bwd_writes_ds`). ValueError for an option the family does not support
     (:func:`cuonline.kernels.features.backward_of_problem`) or a block that does not fit."""
     from .specs import AttentionBwdSimtSpec  # noqa: PLC0415 - the backward's own spec
@@ -565,14 +580,18 @@ def plan_bwd_simt(problem, *, arch=DEFAULT_ARCH, write_ds=None):
     dtype = dtype_name(problem.dtype)
     names = features.backward_of_problem(problem)
     dr = problem.dr if "rel_qk" in names else 0
-    warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, arch, dr,
+    warps, rows, per = choose_bwd_tiles(dtype, problem.d, problem.dv, launch.arch, dr,
                                         bwd_bias_tile(names))
-    if write_ds is None:
-        write_ds = bwd_writes_ds(names)
     spec = AttentionBwdSimtSpec(dtype=dtype, acc=acc_name(problem.acc_dtype), d=problem.d,
                                 dv=problem.dv, warps=warps, rows_per_warp=rows,
-                                items_per_lane=per, write_ds=write_ds, features=names, dr=dr)
+                                items_per_lane=per, write_ds=_write_ds(launch, names),
+                                features=names, dr=dr)
     return _bwd_plan(problem, spec, names)
+
+
+def _write_ds(launch, names) -> bool:
+    """The backward spec's ``write_ds``: the launch's choice, else :func:`bwd_writes_ds`."""
+    return bwd_writes_ds(names) if launch.write_ds is None else bool(launch.write_ds)
 
 
 def _bwd_plan(problem, spec, names):
@@ -663,19 +682,18 @@ def _bwd_mma_block(dtype, d, dv, arch, dr, bias_tile=False):
         block_c = 32 if max(d, dv) <= 32 else 16
     else:
         block_c = 64 if max(d, dv) <= 64 else 32
-    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
-    rel = dict(features=names, dr=dr)
-    need = AttentionBwdMmaSpec(dtype=dtype_name(dtype), d=d, dv=dv, warps=WARPS,
-                               block_c=block_c, **rel).shared_bytes
+    need = probe_shared_bytes(AttentionBwdMmaSpec, dtype=dtype_name(dtype), d=d, dv=dv,
+                              warps=WARPS, block_c=block_c, dr=dr, bias_tile=bias_tile)
     return WARPS, block_c, need
 
 
-def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
+def plan_bwd_mma(problem, launch):
     """Plan the backward of ``problem`` on the tensor-core backward family (as
-    :func:`plan_bwd_simt`; ``cp_async``: q, k, v and dout rows are 16-byte aligned with unit
-    column stride). ValueError where :func:`bwd_uses_mma` is false."""
+    :func:`plan_bwd_simt`; ``launch.cp_async``: q, k, v and dout rows are 16-byte aligned
+    with unit column stride). ValueError where :func:`bwd_uses_mma` is false."""
     from .specs import AttentionBwdMmaSpec  # noqa: PLC0415
 
+    arch = launch.arch
     dtype = dtype_name(problem.dtype)
     names = features.backward_of_problem(problem)
     dr = problem.dr if "rel_qk" in names else 0
@@ -685,9 +703,7 @@ def plan_bwd_mma(problem, *, arch=DEFAULT_ARCH, write_ds=None, cp_async=True):
                          f"{arch}")
     warps, block_c = choose_bwd_mma_tiles(dtype, problem.d, problem.dv, arch, dr,
                                           bwd_bias_tile(names))
-    if write_ds is None:
-        write_ds = bwd_writes_ds(names)
     spec = AttentionBwdMmaSpec(dtype=dtype, d=problem.d, dv=problem.dv, warps=warps,
-                               block_c=block_c, cp_async=bool(cp_async), write_ds=write_ds,
-                               features=names, dr=dr)
+                               block_c=block_c, cp_async=bool(launch.cp_async),
+                               write_ds=_write_ds(launch, names), features=names, dr=dr)
     return _bwd_plan(problem, spec, names)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .heuristics import DEFAULT_NUM_SMS
 from .specs import SoftmaxSpec, acc_name, dtype_name
 
 __all__ = ["BLOCK_THREADS", "MAX_BLOCKS", "MAX_ROWS_PER_LAUNCH", "MIN_SEGMENT", "SoftmaxPlan",
@@ -47,16 +46,21 @@ class SoftmaxPlan:
         return self.grid[1]
 
 
-def plan_softmax(problem, nrows, *, num_sms=DEFAULT_NUM_SMS, max_blocks=MAX_BLOCKS,
-                 min_segment=MIN_SEGMENT):
-    """Plan a launch of :class:`cuonline._validate.SoftmaxProblem` ``problem`` over ``nrows``
-    of its rows (a launch covers at most :data:`MAX_ROWS_PER_LAUNCH`).
+def plan_softmax(problem, launch):
+    """Plan a launch of :class:`cuonline._validate.SoftmaxProblem` ``problem`` over
+    ``launch.nrows`` of its rows (None: all of them; a launch covers at most
+    :data:`MAX_ROWS_PER_LAUNCH`).
 
     Rows are cut into segments (two launches, see softmax.cu) when they are long and too few
-    to give every SM ``BLOCKS_PER_SM`` blocks. ``max_blocks`` caps the grid (the kernel's row
-    loop covers the rest), ``min_segment`` is the shortest segment worth a second launch.
+    to give each of ``launch.num_sms`` SMs ``BLOCKS_PER_SM`` blocks. ``launch.max_blocks``
+    caps the grid (the kernel's row loop covers the rest), ``launch.min_segment`` is the
+    shortest segment worth a second launch.
     """
     n = problem.n
+    nrows = launch.nrows
+    if nrows is None:
+        nrows = math.prod(e for axis, e in enumerate(problem.x.shape) if axis != problem.axis)
+    num_sms, max_blocks, min_segment = launch.num_sms, launch.max_blocks, launch.min_segment
     spec = SoftmaxSpec(dtype=dtype_name(problem.dtype), acc=acc_name(problem.dtype),
                        mode=problem.mode, mask=problem.mask is not None)
     # A warp per row while each lane has at most COLUMNS_PER_LANE columns: no barrier at all,

@@ -21,7 +21,7 @@ from . import features as _features
 __all__ = ["AttentionBwdMmaSpec", "AttentionBwdSimtSpec", "AttentionMmaSpec", "AttentionSimtSpec",
            "AttentionSpec", "MAX_HEAD_DIM", "MMA_BWD_MAX_HEAD_DIM", "MMA_INSTRUCTIONS",
            "MMA_MAX_HEAD_DIM", "SOFTMAX_MODES", "SoftmaxSpec", "acc_name", "dtype_name",
-           "dtype_tag"]
+           "dtype_tag", "probe_shared_bytes"]
 
 #: Largest D and Dv the SIMT kernel family is compiled for (registers and shared memory).
 MAX_HEAD_DIM = 256
@@ -47,6 +47,16 @@ def bwd_bias_tile(names) -> bool:
     """Whether a backward dQ kernel with features ``names`` reduces dS in shared memory
     (rel_bias, block bias: their gradients are sums of dS); a plain bias writes dS itself."""
     return "rel_bias" in names or "bias_block" in names
+
+
+def probe_shared_bytes(spec_class, *, dr=0, bias_tile=False, **tiles) -> int:
+    """Shared memory of a block of ``spec_class`` with these ``tiles`` (its dtype, widths and
+    tile fields), counted by the spec itself (:attr:`shared_bytes`) with the only options that
+    take shared memory: rel_qk's staging at width ``dr`` and, with ``bias_tile``, a backward
+    dQ kernel's dS reduction tile (:func:`bwd_bias_tile`). The tile choosers size their
+    candidates with it, so that a chosen block and its planned spec agree."""
+    names = (("rel_bias",) if bias_tile else ()) + (("rel_qk",) if dr else ())
+    return spec_class(**tiles, features=names, dr=dr).shared_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,10 +16,11 @@ import numpy as np
 
 from . import arguments, features, heuristics
 from .heuristics import DEFAULT_ARCH, DEFAULT_NUM_SMS
-from .specs import STATS_MAX_TOP_K, AttentionStatsSpec, acc_name, dtype_name
+from .specs import (STATS_MAX_TOP_K, AttentionStatsSpec, acc_name, dtype_name,
+                    probe_shared_bytes)
 
-__all__ = ["STATS_ENTRIES", "STATS_SIGNATURE", "StatsPlan", "choose_stats_tiles", "plan_stats",
-           "stats_arguments"]
+__all__ = ["STATS_BUFFERS", "STATS_ENTRIES", "STATS_SIGNATURE", "StatsPlan", "choose_stats_tiles",
+           "plan_stats", "stats_arguments"]
 
 #: Warps per block: the SIMT forward's.
 WARPS = heuristics.WARPS
@@ -30,6 +31,10 @@ STATS_ENTRIES = {
     "cuonline_attention_stats_received": ("lse", "query_weights", "received"),
     "cuonline_attention_stats_rows": ("lse", "rows", "nrows", "weights"),
 }
+#: The arrays the statistics kernels write or read beyond the problem (the ``buffers`` of
+#: :func:`stats_arguments`): every entry's own parameters but the scalars ``top_k``, ``nrows``.
+STATS_BUFFERS = ("lse", "entropy", "max_weight", "argmax", "top_indices", "top_weights",
+                 "query_weights", "received", "rows", "weights")
 #: The parameters every statistics kernel starts with (``CUONLINE_STATS_PARAMS``): the
 #: forward's score operands and scalars, under the forward's names (without v and the split).
 STATS_SIGNATURE = (
@@ -50,6 +55,7 @@ class StatsPlan:
     grid_stats: tuple
     grid_received: tuple
     nbatch: int
+    top_k: int = 0           # the best keys kept per query (pass 1's top_k argument)
 
     def grid_rows(self, nrows: int) -> tuple:
         """The grid of the rows kernel for ``nrows`` listed rows."""
@@ -57,9 +63,8 @@ class StatsPlan:
 
 
 def _smem(name, d, rows, keys, dr):
-    rel = dict(features=("rel_qk",), dr=dr) if dr else {}
-    return AttentionStatsSpec(dtype=name, acc=acc_name(name), d=d, warps=WARPS,
-                              rows_per_warp=rows, keys_per_lane=keys, **rel).shared_bytes
+    return probe_shared_bytes(AttentionStatsSpec, dtype=name, acc=acc_name(name), d=d,
+                              warps=WARPS, rows_per_warp=rows, keys_per_lane=keys, dr=dr)
 
 
 def choose_stats_tiles(dtype, d, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, arch=DEFAULT_ARCH,
@@ -97,22 +102,24 @@ def choose_stats_tiles(dtype, d, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, arch=DEF
     return rows, keys
 
 
-def plan_stats(problem, *, top_k=0, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS):
+def plan_stats(problem, launch):
     """Plan the statistics of the score :class:`cuonline._validate.Problem` ``problem``
-    (``StatsProblem.scores``) with ``top_k`` best keys per query.
+    (``StatsProblem.scores``) with ``launch.top_k`` best keys per query, on ``launch.arch``
+    with ``launch.num_sms`` SMs.
 
     ValueError for a ``top_k`` above :data:`cuonline.kernels.specs.STATS_MAX_TOP_K`, a score
     option the family does not compile (:func:`cuonline.kernels.features.stats_of_problem`) or
     a head that does not fit the arch.
     """
+    top_k = launch.top_k
     if top_k > STATS_MAX_TOP_K:
         raise ValueError(f"`top_k` must be at most {STATS_MAX_TOP_K} on the CUDA engine (one key "
                          f"per lane of a warp), got {top_k}; use backend='numpy' for more")
     names = features.stats_of_problem(problem)
     name = dtype_name(problem.dtype)
     dr = heuristics.relative_dr(problem)
-    rows, keys = choose_stats_tiles(name, problem.d, problem.lq, problem.nbatch, num_sms, arch,
-                                    dr)
+    rows, keys = choose_stats_tiles(name, problem.d, problem.lq, problem.nbatch,
+                                    launch.num_sms, launch.arch, dr)
     spec = AttentionStatsSpec(dtype=name, acc=acc_name(problem.acc_dtype), d=problem.d,
                               warps=WARPS, rows_per_warp=rows, keys_per_lane=keys,
                               top_k=top_k > 0, features=names, dr=dr)
@@ -122,36 +129,25 @@ def plan_stats(problem, *, top_k=0, arch=DEFAULT_ARCH, num_sms=DEFAULT_NUM_SMS):
         raise ValueError(f"attention_stats: batch x tiles exceeds the CUDA grid limit "
                          f"({heuristics.MAX_GRID_X}); use backend='numpy'")
     return StatsPlan(spec=spec, block=(spec.threads, 1, 1), shared_bytes=spec.shared_bytes,
-                     grid_stats=grid_stats, grid_received=grid_received, nbatch=problem.nbatch)
+                     grid_stats=grid_stats, grid_received=grid_received, nbatch=problem.nbatch,
+                     top_k=top_k)
 
 
-class _WholeKeys:
-    """The part of a forward plan :func:`cuonline.kernels.arguments.attention_fwd_arguments`
-    reads: no key split."""
+def stats_arguments(problem, plan, buffers):
+    """The arguments of the statistics kernels: ``{entry: argument tuple}`` for every key of
+    :data:`STATS_ENTRIES`, in order.
 
-    def __init__(self, lk):
-        self.split_keys = lk
-
-
-def stats_arguments(p, tails):
-    """The arguments of the statistics kernels: ``{entry: its tail}`` (``entry`` a key of
-    :data:`STATS_ENTRIES`, its tail a dict of that entry's own parameters) -> ``{entry:
-    argument tuple}``.
-
-    Each tuple is :data:`STATS_SIGNATURE` (the forward's operands and scalars, built and typed
-    once by :func:`cuonline.kernels.arguments.attention_fwd_arguments`: one offset table for
-    every launch of a call), then the entry's own, explicitly typed: arrays as given
-    (contiguous, the accumulation dtype; int64 indices; None for a null pointer), ``top_k`` and
-    ``nrows`` as int32.
+    ``buffers`` maps each name of :data:`STATS_BUFFERS` to its array (None for a result not
+    asked for: a null pointer; the kernels it belongs to are not launched): contiguous, the
+    accumulation dtype, int64 indices and rows. Each tuple is :data:`STATS_SIGNATURE` (the
+    forward's operands and scalars, built and typed once for every launch of a call by
+    :func:`cuonline.kernels.arguments.score_arguments`), then the entry's own, explicitly
+    typed: ``top_k`` (the plan's) and ``nrows`` (the length of ``rows``) as int32.
     """
-    forward = dict(zip(arguments.ATTENTION_FWD_SIGNATURE,
-                       arguments.attention_fwd_arguments(p, _WholeKeys(p.lk), None, None)))
-    common = tuple(forward[n] for n in STATS_SIGNATURE)
-    out = {}
-    for entry, tail in tails.items():
-        own = STATS_ENTRIES[entry]
-        if set(tail) != set(own):
-            raise TypeError(f"{entry} takes {', '.join(own)}, got {', '.join(sorted(tail))}")
-        typed = {n: np.int32(x) if n in ("top_k", "nrows") else x for n, x in tail.items()}
-        out[entry] = common + tuple(typed[n] for n in own)
-    return out
+    arrays = arguments.buffers_of(buffers, STATS_BUFFERS, AttentionStatsSpec.family)
+    common = arguments.score_arguments(problem, STATS_SIGNATURE)
+    rows = arrays["rows"]
+    own = dict(arrays, top_k=np.int32(plan.top_k),
+               nrows=np.int32(0 if rows is None else rows.size))
+    return {entry: common + tuple(own[n] for n in names)
+            for entry, names in STATS_ENTRIES.items()}
