@@ -217,3 +217,28 @@ def test_workers_takes_numpy_integers(rng):
     np.testing.assert_array_equal(cuonline.attention(q, k, v, workers=np.int64(2)),
                                   cuonline.attention(q, k, v, workers=1))
 
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_longest_tasks_start_first(rng, monkeypatch, workers):
+    # causal: the lower query blocks see more keys; the pool starts them first so that no
+    # thread is left alone with a long task at the end, and the results stay in place
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
+    q, k, v = data(rng, (2,), 400, 400, 16)
+    expected = cuonline.attention(q, k, v, causal=True, workers=1)
+    real, started, lock = numpy_engine._attend, [], threading.Lock()
+
+    def attend(p, b, i0, i1, j_lo, j_hi):
+        with lock:
+            started.append((i1 - i0) * (j_hi - j_lo))
+        return real(p, b, i0, i1, j_lo, j_hi)
+
+    monkeypatch.setattr(numpy_engine, "_attend", attend)
+    out = cuonline.attention(q, k, v, causal=True, workers=workers)
+    np.testing.assert_array_equal(out, expected)
+    assert len(started) == 2 * 7
+    # one thread: exactly in decreasing order; two: a task may be logged just before the one
+    # the other thread took a moment earlier, never before a task two places earlier
+    slack = workers - 1
+    assert all(started[n] >= max(started[n + 1 + slack:], default=0)
+               for n in range(len(started))), started

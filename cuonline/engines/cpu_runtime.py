@@ -38,8 +38,13 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def run_tasks(tasks, fn, n_workers):
+def run_tasks(tasks, fn, n_workers, cost=None):
     """``[fn(t) for t in tasks]`` on ``min(n_workers, len(tasks))`` threads.
+
+    ``cost``: a function of a task giving its relative amount of work. The threads then take
+    the tasks in decreasing order of it (the longest first, so that no thread is left alone
+    with a long task at the end: the rows of causal attention see more keys the further down
+    they are), the results still in the order of ``tasks``. Without it, in the given order.
 
     A single task runs in the calling thread with BLAS as the user set it (its matrix products
     are the only parallel work there is). Several tasks run with BLAS held to one thread, on
@@ -52,10 +57,15 @@ def run_tasks(tasks, fn, n_workers):
     if len(tasks) < 2:
         return [fn(t) for t in tasks]
     n = min(n_workers, len(tasks))
+    order = (range(len(tasks)) if cost is None
+             else sorted(range(len(tasks)), key=lambda i: -cost(tasks[i])))
     with _single_threaded_blas():
         if n == 1:
-            return [fn(t) for t in tasks]
-        batch = _Batch(tasks, fn)
+            results = [None] * len(tasks)
+            for i in order:
+                results[i] = fn(tasks[i])
+            return results
+        batch = _Batch(tasks, fn, order)
         _submit(batch.drain, n - 1)
         try:
             batch.drain()
@@ -68,10 +78,11 @@ def run_tasks(tasks, fn, n_workers):
 
 
 class _Batch:
-    """The tasks of one call, handed out one at a time to whichever thread asks first."""
+    """The tasks of one call, handed out one at a time in ``order`` (indices into ``tasks``)
+    to whichever thread asks first."""
 
-    def __init__(self, tasks, fn):
-        self.tasks, self.fn = tasks, fn
+    def __init__(self, tasks, fn, order):
+        self.tasks, self.fn, self.order = tasks, fn, list(order)
         self.results = [None] * len(tasks)
         self.error = None
         self.done = threading.Event()          # set when no task is left or running
@@ -90,7 +101,7 @@ class _Batch:
                     if self._running == 0:
                         self.done.set()
                     return
-                i = self._next
+                i = self.order[self._next]
                 self._next += 1
                 self._running += 1
             try:

@@ -78,7 +78,8 @@ def attention(p):
         out[b][i0:i1], lse[b][i0:i1] = state
         return None
 
-    states = run_tasks(tasks, run, n_workers)
+    # the longest tasks first: under a causal band or a window, blocks see unequal key ranges
+    states = run_tasks(tasks, run, n_workers, cost=lambda t: (t[2] - t[1]) * (t[4] - t[3]))
     for (b, i0, i1), ranges in blocks.items():
         if len(ranges) > 1:
             parts = [s for t, s in zip(tasks, states) if t[:3] == (b, i0, i1)]

@@ -72,7 +72,8 @@ def attention_backward(bp):
     # by the one task that owns the row's dQ (disjoint rows), checked once all are done
     sums = RowSums(p)
     run_tasks(tasks, lambda task: [_one_batch_element(bp, b, buffers, sums, *task[1:])
-                                   for b in task[0]], n_workers)
+                                   for b in task[0]], n_workers,
+              cost=lambda task: _task_area(p, task))
     sums.check(bp)
     # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
     buffers["q"] *= acc.type(p.scale)
@@ -116,6 +117,23 @@ def _plan(p, targets):
         else:
             tasks.append((g, "q", None, None))
     return tasks
+
+
+def _task_area(p, task):
+    """The score places a task of :func:`_plan` visits (its elements times the places of its
+    key or query block the window band leaves visible): the pool starts the largest first."""
+    group, part, j0, i0 = task
+    block_q, block_k = blocks(p.acc_dtype)
+    if part == "q" and i0 is not None:
+        rows = [(i0, min(i0 + block_q, p.lq))]
+    else:
+        rows = [(a, min(a + block_q, p.lq)) for a in range(0, p.lq, block_q)]
+    keys = (0, p.lk) if part != "kv" else (j0, min(j0 + block_k, p.lk))
+    area = 0
+    for a, z in rows:
+        lo, hi = _semantics.visible_key_range(a, z, p.lq, p.lk, p.window, p.diagonal_offset)
+        area += (z - a) * max(0, min(hi, keys[1]) - max(lo, keys[0]))
+    return len(group) * area
 
 
 def _groups(batch_shape, targets):

@@ -148,18 +148,28 @@ def sequence_problem(p, b: int):
 
 def _batched(units, work):
     """``units`` cut into consecutive runs of at least ``TASK_WORK`` score entries each
-    (``work[n]`` is unit ``n``'s), the last run whatever is left: the task list. Depends on
-    the problem only, so the results do not depend on the thread count."""
+    (``work[n]`` is unit ``n``'s), the last run whatever is left: the task list, each task
+    ``(units, its work)``. Depends on the problem only, so the results do not depend on the
+    thread count."""
     tasks, current, total = [], [], 0
     for unit, w in zip(units, work):
         current.append(unit)
         total += w
         if total >= TASK_WORK:
-            tasks.append(current)
+            tasks.append((current, total))
             current, total = [], 0
     if current:
-        tasks.append(current)
+        tasks.append((current, total))
     return tasks
+
+
+def _run_batched(units, work, run, n_workers):
+    """``run(units of a task)`` for every task of :func:`_batched` on the pool, the tasks with
+    the most work first (sequences of a packed batch differ in length)."""
+    from .cpu_runtime import run_tasks
+
+    run_tasks(_batched(units, work), lambda task: run(task[0]), n_workers,
+              cost=lambda task: task[1])
 
 
 def attention(p: Problem) -> tuple[Any, Any]:
@@ -171,7 +181,7 @@ def attention(p: Problem) -> tuple[Any, Any]:
     element of one sequence, over the keys its rows may see (:func:`.numpy.key_range`), and
     short units share a task. With fewer units than cores (a few long sequences), the
     sequences go by shape through :func:`.numpy.attention`, which splits key ranges."""
-    from .cpu_runtime import run_tasks, workers
+    from .cpu_runtime import workers
 
     batch = p.batch_shape
     block_q = numpy_forward.blocks(p.acc_dtype)[0]
@@ -201,7 +211,7 @@ def attention(p: Problem) -> tuple[Any, Any]:
                 numpy_forward.attend(subs[b], e, i0, i1, j0, j1))
 
     n_workers = workers() if p.workers is None else p.workers
-    run_tasks(_batched(units, work), run, n_workers)
+    _run_batched(units, work, run, n_workers)
     return out, (lse if p.return_lse else None)
 
 
@@ -231,7 +241,7 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     once for the whole batch. With fewer units than cores, the sequences go by shape through
     :func:`.numpy_backward.attention_backward`, which splits each into key and query blocks.
     """
-    from .cpu_runtime import run_tasks, workers
+    from .cpu_runtime import workers
 
     p = bp.forward
     acc, batch, nb = p.acc_dtype, p.batch_shape, len(p.batch_shape)
@@ -270,7 +280,7 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
             numpy_backward.element_gradients(calls[b][0], e, calls[b][1], calls[b][2])
 
     n_workers = workers() if p.workers is None else p.workers
-    run_tasks(_batched(units, work), run, n_workers)
+    _run_batched(units, work, run, n_workers)
     _check_row_sums(bp, sums, lengths_q, lengths_k)
     for name in tables:                        # shared by every sequence: in sequence order
         full[name] = np.zeros(batch + getattr(p, name).shape[nb:], acc)
