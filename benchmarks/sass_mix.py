@@ -9,7 +9,7 @@ instructions in its body, the mma instructions among them, instructions per mma,
 kernel. ``--against REV`` compiles the kernel files of git revision REV in the same run, for a
 before/after table.
 
-The counts are static (see cuonline/kernels/sass.py): a proxy for the issue slots one key tile
+The counts are static (see cuonline/toolchain/sass.py): a proxy for the issue slots one key tile
 costs a warp. On an H100/H200 a warp issues one instruction per cycle and an m16n8k16 HMMA
 occupies its tensor core for several, so a loop far above a few instructions per mma is bound
 by issue, not by the tensor cores. Each ldmatrix.x4 reads 512 bytes of shared memory, which an

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _arrays, _options, _validate
 from ._api import attention_backward
-from ._gradients import Gradients
+from ._gradients import GRADIENT_FIELDS, Gradients
 
 __all__ = ["LAYOUTS", "Shapes", "attention_backward_with_lse", "check_static", "differentiable",
            "gradient_field", "heads_after_length", "shapes", "stand_in",
@@ -66,7 +66,7 @@ def tensor_options(options: _options.Options) -> dict[str, Any]:
 
 def gradient_field(name: str) -> str:
     """The field of :class:`cuonline.Gradients` holding the gradient of ``name``."""
-    return {"q": "dq", "k": "dk", "v": "dv"}.get(name) or _options.differentiable_options()[name]
+    return GRADIENT_FIELDS[name]
 
 
 def check_static(options: _options.Options, framework: str, is_traced) -> None:

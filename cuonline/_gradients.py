@@ -10,12 +10,15 @@ order of their indices), so two runs give bitwise-identical gradients.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Gradients", "Target", "sum_to_shape"]
+from . import _options
+
+__all__ = ["GRADIENT_FIELDS", "Gradients", "Target", "gradients_of", "sum_to_shape"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,18 @@ class Gradients:
     drel_bias: Any = None
     drel_q: Any = None
     drel_k: Any = None
+
+
+#: The inputs that receive a gradient -> their field of :class:`Gradients`: q, k, v and the
+#: differentiable options of the options table.
+GRADIENT_FIELDS: dict[str, str] = {"q": "dq", "k": "dk", "v": "dv",
+                                   **_options.differentiable_options()}
+
+
+def gradients_of(grads: Mapping[str, Any]) -> Gradients:
+    """The :class:`Gradients` of ``grads``, keyed by input name (``"q"``, ``"bias"``, ...:
+    the keys of :data:`GRADIENT_FIELDS`); an input missing from ``grads`` gets None."""
+    return Gradients(**{field: grads.get(name) for name, field in GRADIENT_FIELDS.items()})
 
 
 @dataclass(frozen=True)

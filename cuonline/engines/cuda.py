@@ -14,16 +14,20 @@ offset row per sequence.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..kernels import arguments, families, heuristics
 from . import target as _target
 
+if TYPE_CHECKING:
+    from .._validate import Problem
+
 __all__ = ["attention"]
 
 
-def attention(problem):
+def attention(problem: Problem) -> tuple[Any, Any]:
     """Run :class:`cuonline._validate.Problem` ``problem``; return ``(out, lse or None)``.
 
     ``out`` has the dtype of the inputs and shape ``batch_shape + (lq, dv)``; ``lse`` the

@@ -26,34 +26,33 @@ ValueError (:func:`cuonline._lse_check.check_row_sums`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import _lse_check
+from .._gradients import GRADIENT_FIELDS, gradients_of
 from ..kernels import arguments, families, heuristics
 from . import target as _target
 
+if TYPE_CHECKING:
+    from .._gradients import Gradients
+    from .._validate import BackwardProblem
+
 __all__ = ["attention_backward", "block_bias_slots", "gradients"]
 
-#: Gradient fields of the per-batch result and of Gradients -> the input each belongs to.
-_INPUTS = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias", "drel_bias": "rel_bias",
-           "drel_q": "rel_q", "drel_k": "rel_k"}
-
-
-def attention_backward(bp):
+def attention_backward(bp: BackwardProblem) -> Gradients:
     """Run the backward of ``bp`` (a :class:`cuonline._validate.BackwardProblem`); return
     :class:`cuonline._gradients.Gradients`, each gradient of its input's shape as passed (a
     broadcast input gets the sum over its broadcast dimensions)."""
-    from .._gradients import Gradients  # noqa: PLC0415 - the API's result type
-
     full = gradients(bp.forward, bp.dout, bp.out, bp.lse,
                      bias_shape=bp.targets["bias"].shape if "bias" in bp.targets else None)
     xp = bp.forward.xp
-    # gradient field -> the input it belongs to (BackwardProblem.targets' names); the
+    # each input (BackwardProblem.targets' names) from its field of the per-batch result; the
     # dimensions an input was broadcast along summed by one reduction each
-    return Gradients(**{field: bp.reduce(name, _sum_broadcast(xp, full[field],
-                                                              bp.targets[name].shape))
-                        for field, name in _INPUTS.items() if full[field] is not None})
+    return gradients_of({name: bp.reduce(name, _sum_broadcast(xp, full[field],
+                                                               bp.targets[name].shape))
+                         for name, field in GRADIENT_FIELDS.items() if full[field] is not None})
 
 
 def _sum_broadcast(xp, grad, shape):

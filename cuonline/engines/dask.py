@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from .. import _lse_check, _options, _validate
+from .._gradients import GRADIENT_FIELDS
 from .._semantics import accumulation_dtype, visible_key_range
 from .merge import merge_states
 from .softmax import stats as softmax_stats
@@ -64,7 +65,7 @@ _LAYOUT = {
 }
 _OPTION_ARRAYS = _options.array_options()
 #: The differentiable arguments and their fields of cuonline.Gradients.
-_GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", **_options.differentiable_options()}
+_GRADIENT_OF = GRADIENT_FIELDS
 # keywords the graph sets per task (the positions, and return_lse); every other keyword goes
 # to each task as it came
 _POSITIONAL = (*(n for n in _options.names() if _options.option_kind(n) == "position"),

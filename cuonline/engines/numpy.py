@@ -22,12 +22,16 @@ The logits of a tile come from the score pipeline shared with the backward
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _semantics
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
+
+if TYPE_CHECKING:
+    from .._validate import Problem
 from .numpy_scores import ScorePipeline, blas_ready, visible_product
 
 # The float32 tile shape from this machine's L2 (cpu_runtime.score_tile, one live score tile:
@@ -58,7 +62,7 @@ def key_tile(rows, block_q, block_k):
     return min(max(block_k, wide), MAX_KEY_TILE)
 
 
-def attention(p):
+def attention(p: Problem) -> tuple[np.ndarray, Any]:
     """Run the problem ``p`` (a :class:`cuonline._validate.Problem`); return ``(out, lse)``.
 
     The tasks run on ``p.workers`` threads (validated: None or a count >= 1; None means

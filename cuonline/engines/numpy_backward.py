@@ -28,13 +28,18 @@ of a batch element's queries and output gradient per task: never an ``Lq x Lk`` 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .. import _lse_check, _semantics
-from .._gradients import Gradients
+from .._gradients import Gradients, gradients_of
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
                            visible_product)
+
+if TYPE_CHECKING:
+    from .._validate import BackwardProblem
 
 # The float32 tile shape from this machine's L2 (cpu_runtime.score_tile with two live tiles, P
 # and dS, so that both stay in L2 while the five matrix products stream through them: 512 x 256
@@ -55,7 +60,7 @@ def blocks(dtype):
             keys if BLOCK_K == _MACHINE_TILE[1] else BLOCK_K)
 
 
-def attention_backward(bp):
+def attention_backward(bp: BackwardProblem) -> Gradients:
     """Gradients of the backward problem ``bp`` (a :class:`cuonline._validate.BackwardProblem`).
 
     Returns a :class:`cuonline.Gradients` of NumPy arrays, each of the shape and dtype that
@@ -78,10 +83,7 @@ def attention_backward(bp):
     # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
     buffers["q"] *= acc.type(p.scale)
     grads = {name: targets[name].finish(buffers[name]) for name in targets}
-    return Gradients(
-        dq=grads["q"], dk=grads["k"], dv=grads["v"], dbias=grads.get("bias"),
-        drel_bias=grads.get("rel_bias"), drel_q=grads.get("rel_q"), drel_k=grads.get("rel_k"),
-    )
+    return gradients_of(grads)
 
 
 def _plan(p, targets):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._gradients import Gradients, Target
+from .._gradients import Gradients, Target, gradients_of
 from . import numpy as numpy_forward
 from . import numpy_backward
 
@@ -288,9 +288,7 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
             full[name] += calls[b][1][name]
     full["q"] *= acc.type(p.scale)             # summed without the scale, as numpy_backward
     reduced = {name: bp.reduce(name, grad) for name, grad in full.items()}
-    return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
-                     drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
-                     drel_k=reduced.get("rel_k"))
+    return gradients_of(reduced)
 
 
 def _check_row_sums(bp, sums, lengths_q, lengths_k) -> None:
@@ -356,9 +354,7 @@ def _grouped_backward(bp: BackwardProblem) -> Gradients:
             if name in full:
                 full[name] += grad.sum(axis=nb)
     reduced = {name: bp.reduce(name, grad) for name, grad in full.items()}
-    return Gradients(dq=reduced["q"], dk=reduced["k"], dv=reduced["v"], dbias=None,
-                     drel_bias=reduced.get("rel_bias"), drel_q=reduced.get("rel_q"),
-                     drel_k=reduced.get("rel_k"))
+    return gradients_of(reduced)
 
 
 def attention_stats(sp: StatsProblem) -> dict:

@@ -8,13 +8,15 @@ inputs) and returned in the dtype of ``x``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .. import _semantics
 from .merge import ignore_float_errors
 
 
-def stats(xp, x, axis, mask):
+def stats(xp: Any, x: Any, axis: int, mask: Any) -> tuple[Any, Any, Any]:
     """Return ``(d, shift, total)``: ``d = xa - shift`` (a new array) for ``xa``, ``x`` in the
     accumulation dtype with masked entries at ``-inf``; the per-slice shift (the max, or 0 for a
     slice with nothing visible) and ``sum(exp(d))``, both with ``keepdims``."""
@@ -59,7 +61,7 @@ def _fast(xp, x, axis, mask, mode):
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
 
-def logsumexp(xp, x, axis, mask, keepdims):
+def logsumexp(xp: Any, x: Any, axis: int, mask: Any, keepdims: bool) -> Any:
     out = _fast(xp, x, axis, mask, mode=2)
     if out is not None:
         return out if keepdims else out.squeeze(-1)
@@ -71,7 +73,7 @@ def logsumexp(xp, x, axis, mask, keepdims):
     return out.astype(x.dtype, copy=False)
 
 
-def softmax(xp, x, axis, mask):
+def softmax(xp: Any, x: Any, axis: int, mask: Any) -> Any:
     out = _fast(xp, x, axis, mask, mode=0)
     if out is not None:
         return out
@@ -82,7 +84,7 @@ def softmax(xp, x, axis, mask):
     return e.astype(x.dtype, copy=False)
 
 
-def log_softmax(xp, x, axis, mask):
+def log_softmax(xp: Any, x: Any, axis: int, mask: Any) -> Any:
     out = _fast(xp, x, axis, mask, mode=1)
     if out is not None:
         return out
