@@ -2,7 +2,9 @@
 
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
 there are too few such tasks to keep every core busy); the block and tile shapes come from the
-machine's L2 cache (:func:`blocks`). Each task walks its keys in tiles of ``BLOCK_K`` and
+machine's L2 cache (:func:`blocks`). A batch of short sequences (each element's queries one
+block, its keys one tile) runs as stacks of elements instead, one batched product per step
+(:func:`stack_plan`). Each task walks its keys in tiles of ``BLOCK_K`` and
 keeps, per query row, the online-softmax state in natural units:
 
     m  running max of the scores seen so far
@@ -26,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _semantics
+from .. import _options, _semantics
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 
 if TYPE_CHECKING:
     from .._validate import Problem
-from .numpy_scores import ScorePipeline, blas_ready, visible_product
+from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
 
 # The float32 tile shape from this machine's L2 (cpu_runtime.score_tile, one live score tile:
 # 512 x 512 on a 1 MiB L2); other dtypes take theirs from blocks() (512 x 256 float64). Set to
@@ -71,6 +73,16 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
     n_workers = workers() if p.workers is None else p.workers
     out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
+    stacks = stack_plan(p)
+    if stacks is not None:
+        def run_stack(task):
+            elements, j0, j1 = task
+            o, s = attend_stacked(p, elements, j0, j1)
+            for n, b in enumerate(elements):
+                out[b], lse[b] = o[n], s[n]
+
+        run_tasks(stacks, run_stack, n_workers)
+        return out, (lse if p.return_lse else None)
     blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
 
@@ -122,6 +134,69 @@ def plan(p):
             step = math.ceil(n_tiles / min(splits, n_tiles)) * block_k
             plan[b, i0, i1] = [(a, min(a + step, j1)) for a in range(j0, j1, step)]
     return plan
+
+
+def stack_plan(p):
+    """The tasks of a batch of short sequences, ``[(batch elements, j0, j1), ...]``, or None
+    where :func:`plan` applies.
+
+    When every query of a batch element fits one block and every key it sees one tile, a task
+    per element would spend as long in Python between its two small products as in them
+    (measured at L = 256: about 100 us of each 280 us task). Such a batch runs as stacks of
+    elements instead, each stack one batched product per step (:func:`attend_stacked`), as
+    many elements per stack as fill one score tile, and at least as many stacks as cores. It
+    takes the plain score only (the scale and the window band): a call with any array option
+    or a soft cap goes through :func:`plan`.
+    """
+    if (p.nbatch < 2 or p.lq == 0 or p.softcap is not None
+            or tile_kernel(p.acc_dtype) is None
+            or any(getattr(p, name, None) is not None for name in _options.array_options())):
+        return None
+    block_q, block_k = blocks(p.acc_dtype)
+    j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
+    if p.lq > block_q or j1 - j0 > key_tile(p.lq, block_q, block_k) or j1 == j0:
+        return None
+    per_stack = max(1, block_q * block_k // (p.lq * (j1 - j0)))
+    per_stack = min(per_stack, -(-p.nbatch // workers()))
+    # the stacked copies of q, k and v stay small (a head dimension in the millions, broadcast
+    # from a few numbers, is multiplied in slices by the general path instead)
+    if per_stack * (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize > SLICE_BYTES:
+        return None
+    elements = list(np.ndindex(*p.batch_shape))
+    return [(elements[n:n + per_stack], j0, j1) for n in range(0, len(elements), per_stack)]
+
+
+def attend_stacked(p, elements, j0, j1):
+    """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, Lq, Dv)`` and
+    ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``, all in one key
+    tile: :func:`_attend`'s steps on the stack, each product one batched call (BLAS per
+    element, the same products as :func:`_attend`'s). An element whose output is not finite is
+    redone by :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
+    acc_t = p.acc_dtype
+    g, n, w = len(elements), p.lq, j1 - j0
+    queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
+    pipeline = ScorePipeline(p, elements[0], 0, n, queries=queries[0])   # the band only
+    keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
+    values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
+    s = np.matmul(queries, keys.transpose(0, 2, 1))
+    m = np.full(g * n, -np.inf, dtype=acc_t)
+    l = np.zeros(g * n, dtype=acc_t)
+    o = np.zeros((g, n, p.dv), dtype=acc_t)
+    lo, hi = pipeline.window_columns(j0, w)
+    tile_kernel(acc_t)(s.reshape(g * n, w), m, l, o.reshape(g * n, p.dv),
+                       np.tile(lo, g), np.tile(hi, g))
+    with np.errstate(invalid="ignore", over="ignore"):
+        o += np.matmul(s, values)
+        finite = np.isfinite(o).all(axis=(1, 2))
+    m, l = m.reshape(g, n), l.reshape(g, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        seen = l > 0
+        o = np.divide(o, l[..., None], out=np.zeros_like(o), where=seen[..., None])
+        o[np.isnan(l)] = np.nan
+        lse = (m + np.log(l)).astype(acc_t, copy=False)
+    for i in np.flatnonzero(~finite):
+        o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
+    return o, lse
 
 
 def key_range(p, b, i0, i1):

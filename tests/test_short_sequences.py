@@ -1,0 +1,84 @@
+"""A batch of short sequences on the NumPy engine: every query in one block and every key it
+sees in one tile, run as stacks of batch elements (``numpy.stack_plan``) rather than one task
+per element."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support import check_attention
+
+import cuonline
+from cuonline import _validate
+from cuonline.engines import numpy as numpy_engine
+
+SHAPES = [((3, 5), 1, 1, 8), ((2, 4), 64, 64, 32), ((7,), 100, 130, 16), ((2, 3), 256, 256, 64)]
+OPTIONS = [{}, {"causal": True}, {"window": (20, 3)}, {"causal": True, "q_offset": 5},
+           {"scale": 0.3, "return_lse": True}]
+
+
+def data(rng, batch, lq, lk, d, dtype=np.float32):
+    return (rng.standard_normal(batch + (lq, d)).astype(dtype),
+            rng.standard_normal(batch + (lk, d)).astype(dtype),
+            rng.standard_normal(batch + (lk, d)).astype(dtype))
+
+
+def per_element(monkeypatch, call):
+    """``call()`` with the stacks turned off: one task per batch element and query block."""
+    with monkeypatch.context() as m:
+        m.setattr(numpy_engine, "stack_plan", lambda p: None)
+        return call()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stacks_agree_with_the_oracle_and_the_per_element_path(rng, monkeypatch, shape,
+                                                              options, dtype):
+    batch, lq, lk, d = shape
+    q, k, v = data(rng, batch, lq, lk, d, dtype)
+    assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v, **options))
+    result = cuonline.attention(q, k, v, **options)
+    out, lse = result if options.get("return_lse") else (result, None)
+    check_attention(q, k, v, out, lse, options)
+    single = per_element(monkeypatch, lambda: cuonline.attention(q, k, v, **options))
+    np.testing.assert_allclose(result if lse is None else out,
+                               single if lse is None else single[0], rtol=0, atol=1e-6)
+
+
+def test_a_stack_never_outgrows_one_score_tile_and_feeds_every_core(rng):
+    q, k, v = data(rng, (40, 3), 32, 48, 8)
+    p = _validate.validate_attention(q, k, v)
+    stacks = numpy_engine.stack_plan(p)
+    rows, keys = numpy_engine.blocks(p.acc_dtype)
+    assert sum(len(elements) for elements, _, _ in stacks) == 120
+    assert all(len(elements) * 32 * 48 <= rows * keys for elements, _, _ in stacks)
+    assert len(stacks) >= min(120, numpy_engine.workers())
+
+
+@pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
+                                     {"kv_lengths": np.array([3, 8])},
+                                     {"alibi_slopes": np.array([0.5, 0.25])}], ids=str)
+def test_score_terms_take_the_general_path(rng, options):
+    q, k, v = data(rng, (2,), 8, 8, 4)
+    assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v, **options)) is None
+
+
+def test_long_or_single_sequences_take_the_general_path(rng):
+    rows = numpy_engine.blocks(np.float32)[0]
+    for batch, lq, lk in (((1,), 16, 16), ((2,), rows + 1, 16), ((2,), 4, numpy_engine.MAX_KEY_TILE + 1)):
+        q, k, v = data(rng, batch, lq, lk, 4)
+        assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v)) is None
+
+
+def test_a_nan_stays_in_the_rows_that_see_it(rng):
+    # element 1's value at key 5 is NaN: under the causal band, rows 0-4 of that element do
+    # not see it and keep finite outputs; every other element is untouched
+    q, k, v = data(rng, (4,), 12, 12, 8)
+    v[1, 5, 0] = np.nan
+    out = cuonline.attention(q, k, v, causal=True)
+    assert np.isfinite(out[[0, 2, 3]]).all()
+    assert np.isfinite(out[1, :5]).all()
+    assert np.isnan(out[1, 5:, 0]).all() and np.isfinite(out[1, :, 1:]).all()
+    check_attention(q[[0, 2, 3]], k[[0, 2, 3]], v[[0, 2, 3]], out[[0, 2, 3]], None,
+                    {"causal": True})
