@@ -181,17 +181,17 @@ def attend_stacked(p, elements, j0, j1):
     s = np.matmul(queries, keys.transpose(0, 2, 1))
     m = np.full(g * n, -np.inf, dtype=acc_t)
     l = np.zeros(g * n, dtype=acc_t)
-    o = np.zeros((g, n, p.dv), dtype=acc_t)
     lo, hi = pipeline.window_columns(j0, w)
-    tile_kernel(acc_t)(s.reshape(g * n, w), m, l, o.reshape(g * n, p.dv),
+    # one tile: no output to rescale yet, so the kernel gets a zero-width one
+    tile_kernel(acc_t)(s.reshape(g * n, w), m, l, np.empty((g * n, 0), dtype=acc_t),
                        np.tile(lo, g), np.tile(hi, g))
     with np.errstate(invalid="ignore", over="ignore"):
-        o += np.matmul(s, values)
+        o = np.matmul(s, values)
         finite = np.isfinite(o).all(axis=(1, 2))
     m, l = m.reshape(g, n), l.reshape(g, n)
     with np.errstate(divide="ignore", invalid="ignore"):
-        seen = l > 0
-        o = np.divide(o, l[..., None], out=np.zeros_like(o), where=seen[..., None])
+        # a row that sees no key has p = 0 everywhere and keeps o = 0
+        np.divide(o, l[..., None], out=o, where=(l > 0)[..., None])
         o[np.isnan(l)] = np.nan
         lse = (m + np.log(l)).astype(acc_t, copy=False)
     for i in np.flatnonzero(~finite):
