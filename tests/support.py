@@ -205,6 +205,16 @@ needs_gpu = pytest.mark.skipif(gpu_available() is not None, reason=str(gpu_avail
 needs_nvrtc = pytest.mark.skipif(nvrtc_available() is not None, reason=str(nvrtc_available()))
 
 
+def fast_tier(values, keep):
+    """``values`` as pytest params of which only those in ``keep`` run in the fast tier
+    (``-m "not slow"``); the others are marked slow, so the full suite still runs them all.
+    For parametrizations whose cases differ in what a slower tier already covers."""
+    missing = set(keep) - set(values)
+    if missing:
+        raise ValueError(f"fast_tier: {sorted(missing)} not among the values {list(values)}")
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 def cuda_backend_params():
     """pytest params for the CUDA engine's two module kinds: emulate (CPU) and cupy (GPU)."""
     return [pytest.param("emulate", id="emulate", marks=needs_emulation),
