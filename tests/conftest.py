@@ -32,8 +32,10 @@ def engine(request):
 def pytest_collection_modifyitems(config, items):
     """The fast tier, ``python -m pytest -m "not slow"``, runs every public function on the
     NumPy engine. Slow: a module marked ``pytestmark = pytest.mark.slow`` (kernels, wheels,
-    benchmarks) and any case that needs the emulation, NVRTC or a GPU, i.e. that compiles or
-    runs cuonline's CUDA kernels."""
+    benchmarks), any case that needs the emulation, NVRTC or a GPU, i.e. that compiles or
+    runs cuonline's CUDA kernels, and the long cases that a fast case covers (marked one by
+    one, or by ``support.fast_tier`` in a parametrization). The tier runs in under 3 minutes
+    on two cores."""
     kernel_marks = [m.mark for m in (needs_emulation, needs_nvrtc, needs_gpu)]
     for item in items:
         if any(mark in kernel_marks for mark in item.iter_markers("skipif")):

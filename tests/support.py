@@ -205,6 +205,16 @@ needs_gpu = pytest.mark.skipif(gpu_available() is not None, reason=str(gpu_avail
 needs_nvrtc = pytest.mark.skipif(nvrtc_available() is not None, reason=str(nvrtc_available()))
 
 
+def fast_tier(values, keep):
+    """``values`` as pytest params of which only those in ``keep`` run in the fast tier
+    (``-m "not slow"``); the others are marked slow, so the full suite still runs them all.
+    For parametrizations whose cases differ in what a slower tier already covers."""
+    missing = set(keep) - set(values)
+    if missing:
+        raise ValueError(f"fast_tier: {sorted(missing)} not among the values {list(values)}")
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 def cuda_backend_params():
     """pytest params for the CUDA engine's two module kinds: emulate (CPU) and cupy (GPU)."""
     return [pytest.param("emulate", id="emulate", marks=needs_emulation),
@@ -232,17 +242,31 @@ class Engine:
     def get(self, x):
         return x.get() if hasattr(x, "get") and self.xp is not np else np.asarray(x)
 
+    def options(self, options):
+        """``options`` with each array option of the options table (``cuonline._options``)
+        given as a NumPy array moved to this engine's array library, and its backend."""
+        from cuonline import _options
+        arrays = _options.array_options()
+        moved = {n: self.put(x) if n in arrays and isinstance(x, np.ndarray) else x
+                 for n, x in options.items()}
+        return dict(moved, backend="auto" if self.name == "numpy" else self.name)
+
     def attention(self, q, k, v, **options):
         import cuonline
-        for name in ("bias", "mask", "kv_lengths", "alibi_slopes"):
-            if isinstance(options.get(name), np.ndarray):
-                options[name] = self.put(options[name])
-        backend = "auto" if self.name == "numpy" else self.name
-        result = cuonline.attention(self.put(q), self.put(k), self.put(v), backend=backend,
-                                    **options)
+        result = cuonline.attention(self.put(q), self.put(k), self.put(v),
+                                    **self.options(options))
         if options.get("return_lse"):
             return self.get(result[0]), self.get(result[1])
         return self.get(result)
+
+    def attention_backward(self, dout, q, k, v, out, lse, **options):
+        """attention_backward on this engine: the gradients by field name (``"dq"``, ...),
+        as NumPy arrays, None where the input was not given."""
+        import cuonline
+        got = cuonline.attention_backward(*(self.put(x) for x in (dout, q, k, v, out, lse)),
+                                          **self.options(options))
+        return {name: None if getattr(got, name) is None else self.get(getattr(got, name))
+                for name in GRADIENT_NAMES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +311,43 @@ def run_under_tsan(code: str) -> tuple[subprocess.CompletedProcess, bool]:
 # --------------------------------------------------------------------------------------------
 # attention cases and the CUDA engine's runners (tests/test_cuda_engine.py, test_mma_engine.py
 # and their TSan subprocesses)
+
+
+def gradient_case(dtype):
+    """``(rng, q, k, v)`` of the gradient cases: 3 query heads share one key head, lengths
+    that are no tile multiple (37 queries, 41 keys)."""
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 3, 37, 16)).astype(dtype)
+    k = rng.standard_normal((2, 1, 41, 16)).astype(dtype)
+    v = rng.standard_normal((2, 1, 41, 8)).astype(dtype)
+    return rng, q, k, v
+
+
+#: Options of :func:`gradient_case` whose gradients every engine is held to (name -> a
+#: function of the case's generator), each gradient summed to its input's shape as passed.
+GRADIENT_CASES = {
+    "gqa-causal": lambda rng: dict(causal=True),
+    "shared-bias": lambda rng: dict(bias=rng.standard_normal((37, 41)).astype(np.float32),
+                                    kv_lengths=np.array([41, 30])[:, None]),
+    # a bias per batch element shared by its heads (the CUDA engine adds dS in place, one dQ
+    # launch per head), with per-element kv_lengths and per-head slopes reordered with the batch
+    "head-shared-bias": lambda rng: dict(bias=rng.standard_normal((2, 1, 37, 41)),
+                                         kv_lengths=np.array([41, 23])[:, None],
+                                         alibi_slopes=np.array([0.1, 0.2, 0.3])),
+    "block-bias": lambda rng: dict(bias=rng.standard_normal((1, 10, 6)), bias_block=(4, 7)),
+    "rel-bias": lambda rng: dict(rel_bias=rng.standard_normal((3, 9)), window=(20, 3),
+                                 alibi_slopes=np.array([0.1, 0.2, 0.3])),
+    # rel_q per query head, rel_k shared by them (and by the heads' key head)
+    "rel-qk": lambda rng: dict(rel_q=rng.standard_normal((3, 37, 5)),
+                               rel_k=rng.standard_normal((2, 1, 9, 5)), causal=True),
+    # the cap of the content score, which rel_q·rel_k is part of; then every term at once
+    "rel-qk-capped": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
+                                      rel_k=rng.standard_normal((7, 5)), softcap=2.0),
+    "every-term": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
+                                   rel_k=rng.standard_normal((7, 5)), softcap=2.0,
+                                   softcap_bias=True, bias=rng.standard_normal((37, 41)),
+                                   rel_bias=rng.standard_normal((5,)), q_offset=3, k_offset=-2),
+}
 
 OPTION_NAMES = ("scale", "causal", "window", "bias", "mask", "kv_lengths", "alibi_slopes",
                 "softcap", "softcap_bias", "offsets", "return_lse")

@@ -166,60 +166,8 @@ def test_nan_stays_in_its_rows_and_behind_the_mask():
 
 
 # --------------------------------------------------------------------------------------------
-# the public API on the emulated engine: gradients summed to the inputs' shapes as passed
-
-
-def _api_case(dtype):
-    rng = np.random.default_rng(21)
-    q = rng.standard_normal((2, 3, 37, 16)).astype(dtype)      # 3 query heads ...
-    k = rng.standard_normal((2, 1, 41, 16)).astype(dtype)      # ... share one key head
-    v = rng.standard_normal((2, 1, 41, 8)).astype(dtype)
-    return rng, q, k, v
-
-
-API_OPTIONS = {
-    "gqa-causal": lambda rng: dict(causal=True),
-    "shared-bias": lambda rng: dict(bias=rng.standard_normal((37, 41)).astype(np.float32),
-                                    kv_lengths=np.array([41, 30])[:, None]),
-    # a bias per batch element shared by its heads: dS added in place, one dQ launch per head,
-    # with per-element kv_lengths and per-head slopes reordered with the batch
-    "head-shared-bias": lambda rng: dict(bias=rng.standard_normal((2, 1, 37, 41)),
-                                         kv_lengths=np.array([41, 23])[:, None],
-                                         alibi_slopes=np.array([0.1, 0.2, 0.3])),
-    "block-bias": lambda rng: dict(bias=rng.standard_normal((1, 10, 6)), bias_block=(4, 7)),
-    "rel-bias": lambda rng: dict(rel_bias=rng.standard_normal((3, 9)), window=(20, 3),
-                                 alibi_slopes=np.array([0.1, 0.2, 0.3])),
-    # rel_q per query head, rel_k shared by them (and by the heads' key head)
-    "rel-qk": lambda rng: dict(rel_q=rng.standard_normal((3, 37, 5)),
-                               rel_k=rng.standard_normal((2, 1, 9, 5)), causal=True),
-    # the cap of the content score, which rel_q·rel_k is part of; then every term at once
-    "rel-qk-capped": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
-                                      rel_k=rng.standard_normal((7, 5)), softcap=2.0),
-    "every-term": lambda rng: dict(rel_q=rng.standard_normal((37, 5)),
-                                   rel_k=rng.standard_normal((7, 5)), softcap=2.0,
-                                   softcap_bias=True, bias=rng.standard_normal((37, 41)),
-                                   rel_bias=rng.standard_normal((5,)), q_offset=3, k_offset=-2),
-}
-
-
-@needs_emulation
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("name", sorted(API_OPTIONS))
-def test_attention_backward_on_the_emulated_engine(name, dtype):
-    import cuonline
-    rng, q, k, v = _api_case(dtype)
-    options = API_OPTIONS[name](rng)
-    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    got = cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate", **options)
-    inputs = dict(dq=q, dk=k, dv=v, dbias=options.get("bias"),
-                  drel_bias=options.get("rel_bias"), drel_q=options.get("rel_q"),
-                  drel_k=options.get("rel_k"))
-    for field, x in inputs.items():
-        g = getattr(got, field)
-        # each gradient in the dtype of its input as passed
-        assert x is None or (g.shape == x.shape and g.dtype == x.dtype), (field, g.shape, g.dtype)
-    support.check_gradients(got, dout, q, k, v, options)
+# the public API on the emulated engine (gradients against the oracle on every engine:
+# tests/test_semantics.py, support.GRADIENT_CASES)
 
 
 @needs_emulation
@@ -229,8 +177,8 @@ def test_a_shared_bias_gradient_is_the_fixed_order_sum_of_its_elements():
     # bitwise the same in two runs
     import cuonline
     from cuonline.engines import cuda_backward
-    rng, q, k, v = _api_case(np.float32)
-    options = API_OPTIONS["head-shared-bias"](rng)
+    rng, q, k, v = support.gradient_case(np.float32)
+    options = support.GRADIENT_CASES["head-shared-bias"](rng)
     out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     first, second = (cuonline.attention_backward(dout, q, k, v, out, lse, backend="emulate",
@@ -253,7 +201,7 @@ def test_rel_k_rows_from_the_end_partials_and_the_diagonal_kernel(radius):
     # and one diagonal) and 60 (every distance exact, the diagonals cut by the key lengths and
     # the window), with per-element kv_lengths and a head-shared rel_k
     import cuonline
-    rng, q, k, v = _api_case(np.float64)
+    rng, q, k, v = support.gradient_case(np.float64)
     options = dict(rel_q=rng.standard_normal((3, 37, 5)),
                    rel_k=rng.standard_normal((2, 1, 2 * radius + 1, 5)),
                    kv_lengths=np.array([41, 23])[:, None], window=(30, 4), q_offset=2)

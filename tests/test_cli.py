@@ -106,6 +106,7 @@ def test_info_says_what_decides_cpu_speed():
             assert lines[module] == importlib.import_module(module).__version__
 
 
+@pytest.mark.slow   # a second `info` process; the fast tier runs one
 def test_info_says_when_numba_is_off():
     assert "off (NUMBA_DISABLE_JIT=1)" in _info_lines(NUMBA_DISABLE_JIT="1")["numba"]
 
@@ -152,6 +153,7 @@ def test_kernels_reports_progress_per_variant_on_stderr():
 # info
 
 
+@pytest.mark.slow   # `info` and `tune` processes; the fast tier runs one `info`
 def test_info_says_why_there_is_no_gpu():
     if support.gpu_available() is None:
         pytest.skip("a GPU is present")

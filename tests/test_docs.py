@@ -65,3 +65,20 @@ def test_install_commands_work_from_a_clone():
     # no wheel is published: "cuonline[extra]" fails, ".[extra]" installs from the clone
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert "cuonline[" not in path.read_text(), path
+
+
+def test_pointers_from_the_code_name_sections_that_exist():
+    """A comment or docstring that says where its reasons are, ``(docs/kernels.md, "Tile
+    tables")``, names a heading of that page (the heading may go on after the name)."""
+    pointer = re.compile(r'docs/(\w+)\.md, "([^"]+)"')
+    found = []
+    for path in sorted((ROOT / "cuonline").rglob("*.py")):
+        for page, title in pointer.findall(path.read_text(encoding="utf-8")):
+            title = re.sub(r"\s*\n\s*(#:?)?\s*", " ", title)   # a title wrapped in a comment
+            found.append((path.name, page, title))
+    assert found
+    for where, page, title in found:
+        headings = [line.lstrip("#").strip() for line in
+                    (ROOT / "docs" / f"{page}.md").read_text(encoding="utf-8").splitlines()
+                    if line.startswith("#")]
+        assert any(h.startswith(title) for h in headings), (where, page, title)

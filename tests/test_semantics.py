@@ -8,7 +8,10 @@ import numpy as np
 
 import pytest
 from oracle import naive_attention, reference_attention
-from support import ACCURACY_FACTOR, OPTION_NAMES, check_attention, make_case
+from support import (ACCURACY_FACTOR, GRADIENT_CASES, OPTION_NAMES, check_attention,
+                     check_gradients, gradient_case, make_case)
+
+from cuonline._gradients import GRADIENT_FIELDS
 
 
 def normal(rng, shape, dtype=np.float32):
@@ -132,3 +135,25 @@ def test_bias_broadcast_over_batch_and_queries(engine, rng):
     row = normal(rng, (32,))
     out = engine.attention(q, k, v, bias=row)
     check_attention(q, k, v, out, None, dict(bias=row))
+
+
+# --------------------------------------------------------------------------------------------
+# gradients
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
+def test_gradients_against_the_oracle(engine, name, dtype):
+    """attention_backward of the engine's own forward: each gradient in the shape and dtype
+    of its input as passed (summed over what the input was broadcast over), within the
+    accuracy rule of the oracle's."""
+    rng, q, k, v = gradient_case(dtype)
+    options = GRADIENT_CASES[name](rng)
+    out, lse = engine.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = engine.attention_backward(dout, q, k, v, out, lse, **options)
+    inputs = dict(options, q=q, k=k, v=v)
+    for input_name, field in GRADIENT_FIELDS.items():
+        x, g = inputs.get(input_name), got[field]
+        assert x is None or (g.shape == x.shape and g.dtype == x.dtype), (field, g.shape, g.dtype)
+    check_gradients(got, dout, q, k, v, options)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from oracle import (naive_attention, naive_attention_backward, reference_attention_stats,
                     reference_varlen_attention, reference_varlen_attention_backward)
-from support import (GRADIENT_NAMES, accumulation_of, assert_accurate, boundaries,
+from support import (GRADIENT_NAMES, accumulation_of, assert_accurate, boundaries, fast_tier,
                      packed_case, packed_option_cases, precision_of)
 
 import cuonline
@@ -145,7 +145,9 @@ def test_forward_matches_the_oracle(name, chunking):
 
 
 @pytest.mark.parametrize("chunking", ["cut", "sequences"])
-@pytest.mark.parametrize("name", OPTION_NAMES)
+# fast tier: chunked rel_q (rel_qk) and summed rel_bias (softcap_bias); every option's
+# gradient on one chunk is test_varlen.py's
+@pytest.mark.parametrize("name", fast_tier(OPTION_NAMES, ("plain", "rel_qk", "softcap_bias")))
 def test_backward_matches_the_oracle(name, chunking):
     """Gradients packed (and chunked) like their inputs; the keys of the sequence without
     queries receive nothing."""
@@ -175,7 +177,8 @@ def test_backward_matches_the_oracle(name, chunking):
     assert not dk[:, CK[1]:CK[2]].any()
 
 
-@pytest.mark.parametrize("name", ["plain", "causal", "window", "alibi", "rel_qk"])
+@pytest.mark.parametrize("name", fast_tier(["plain", "causal", "window", "alibi", "rel_qk"],
+                                           ("alibi",)))
 def test_float32_forward_and_backward(name):
     rng, q, k, v = case(3, dtype=np.float32)
     options = options_cases(rng, q.shape[-2])[name]
@@ -206,8 +209,10 @@ def test_float32_forward_and_backward(name):
 # against the in-memory engine; the graph's shape
 
 
-@pytest.mark.parametrize("sizes", [(1, 1), (3, 2), (64, 7), (200, 200)],
-                         ids=["one-token", "small", "mixed", "one-chunk"])
+@pytest.mark.parametrize("sizes", [pytest.param((1, 1), id="one-token", marks=pytest.mark.slow),
+                                   pytest.param((3, 2), id="small"),
+                                   pytest.param((64, 7), id="mixed"),
+                                   pytest.param((200, 200), id="one-chunk")])
 def test_matches_the_numpy_engine(sizes):
     """Any chunking, down to one token per chunk, gives the in-memory call's results to
     rounding (only the order of the key merges differs); one chunk gives them exactly."""
@@ -343,6 +348,7 @@ def test_boundaries_of_another_library():
     np.testing.assert_allclose(out.compute(), ref, rtol=0, atol=1e-13)
 
 
+@pytest.mark.slow   # several full runs; the fast tier's graphs are checked once each
 def test_deterministic_across_runs_and_schedulers():
     rng, q, k, v = case(9)
     options = {"causal": True}
@@ -487,7 +493,8 @@ def test_packed_statistics_match_the_oracle(name):
 
 @pytest.mark.parametrize("sizes", [(7, 11), (40, 13), "sequences"],
                          ids=["cut", "cut-other", "sequences"])
-@pytest.mark.parametrize("name", ["plain", "causal", "q_offset", "rel_qk"])
+@pytest.mark.parametrize("name", fast_tier(["plain", "causal", "q_offset", "rel_qk"],
+                                           ("causal",)))
 def test_packed_statistics_on_dask(name, sizes):
     """Every statistic of the Dask graph is the in-memory packed call's to rounding (the
     indices exactly), and the oracle's, for chunks that cut sequences anywhere."""

@@ -83,39 +83,25 @@ class MmaTiles(NamedTuple):
 #: 64, 128, 256 that holds max(D, Dv). Starting points derived from the shared-memory,
 #: shared-bandwidth and register budgets (not yet measured on a GPU; `python -m cuonline
 #: kernels` shows what ptxas made of them, `python -m cuonline tune` measures the others).
-#:
-#: Two 16-row query tiles per warp (m_tiles = 2) where the registers allow it: an SM reads
-#: shared memory at 128 bytes a clock, and with one query tile per warp the K and V fragments
-#: of each f16 mma (one ldmatrix.x4, 512 bytes, per two mmas) need twice that at the tensor
-#: cores' rate; two query tiles share each fragment, halving the traffic (FlashAttention-2's
-#: 32 rows per warp). tf32 (4-byte elements, half the flops per byte) gains the same way;
-#: f64 does not need it (DMMA runs at a quarter of that rate). At D = 128 two query tiles hold
-#: 128 registers of O alone: with 32-key tiles ptxas reached 252-255 registers and spilled in
-#: some variants (sm_80 with a window, sm_90 with the element-wise loader or split keys), so
-#: D = 128 keeps one query tile; `tune` measures both.
+#: Two query tiles per warp (m_tiles = 2) halve the shared-memory reads per mma where the
+#: registers allow it. What each entry rests on: docs/kernels.md, "Tile tables".
 MMA_TILES = {}
 for _arch in ("sm_80", "sm_90"):
     for _dt in ("float16", "bfloat16"):
-        # 16-bit, two K/V stages. D <= 64: two query tiles per warp (128 rows per block) and
-        # 64 / 32 keys per tile (64 at D = 64 spilled with every option on): 24 / 32 KiB.
-        # D = 128: 64 x 64 tiles, 80 KiB. D = 256: 32-key tiles, 96 KiB, keeping the f32 O
-        # accumulator (128 registers per lane at Dv = 256) beside the scores.
+        # 16-bit, two stages; two query tiles up to D = 64, the key tile as large as registers
+        # allow (docs/kernels.md, "Tile tables")
         MMA_TILES.update({(_arch, _dt, 32): MmaTiles(4, 64, 2, 2),
                           (_arch, _dt, 64): MmaTiles(4, 32, 2, 2),
                           (_arch, _dt, 128): MmaTiles(4, 64, 2),
                           (_arch, _dt, 256): MmaTiles(4, 32, 2)})
-    # tf32: float tiles take twice the bytes of 16-bit ones: 32-key tiles, two query tiles per
-    # warp up to D = 64 (32 / 64 KiB), one at D = 128 (96 KiB; two spilled on sm_80 with the
-    # element-wise loader); at D = 256 one stage of 32 keys (128 KiB) rather than two of 16
-    # (the mma k is 8, so 16-key tiles leave two k-steps per P·V and little to overlap).
+    # tf32: twice the bytes of 16-bit tiles, so 32-key tiles; two query tiles up to D = 64
+    # (docs/kernels.md, "Tile tables")
     MMA_TILES.update({(_arch, "float32", 32): MmaTiles(4, 32, 2, 2),
                       (_arch, "float32", 64): MmaTiles(4, 32, 2, 2),
                       (_arch, "float32", 128): MmaTiles(4, 32, 2),
                       (_arch, "float32", 256): MmaTiles(4, 32, 1)})
-    # f64: 8-byte elements and an f64 O accumulator (2 registers per value). D = 128 takes two
-    # warps (32 query rows, Q 32 KiB) and one 16-key stage: the O accumulator (16 rows x 128 /
-    # 32 lanes = 64 doubles = 128 registers) leaves too little room for a second stage's
-    # addresses (sm_90's ptxas spilled at two stages: 255 registers, 48 bytes).
+    # f64: its O accumulator takes two registers per value; D = 128 fits one 16-key stage
+    # only (docs/kernels.md, "Tile tables")
     MMA_TILES.update({(_arch, "float64", 32): MmaTiles(4, 32, 2),
                       (_arch, "float64", 64): MmaTiles(4, 16, 2),
                       (_arch, "float64", 128): MmaTiles(2, 16, 1)})
@@ -240,7 +226,7 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
     # Rows per warp: each row costs `cols` accumulators per lane; more rows reuse each K/V
     # element read from shared memory for more FMAs, so take as many as the register budget
     # allows (8 at most: the score registers grow with rows too).
-    # Doubles: 4 at most; at 8 rows (d <= 64) sm_80's ptxas held 128 registers and spilled.
+    # Doubles: 4 at most; 8 spilled (docs/kernels.md, "Tile tables").
     rows = 8 if words == 1 else 4
     while rows > 1 and rows * cols * words > ACC_REGISTER_BUDGET:
         rows //= 2
@@ -259,7 +245,7 @@ def choose_tiles(dtype, d, dv, lq, nbatch=1, num_sms=DEFAULT_NUM_SMS, tuned=None
 
     # Keys per lane: 64-key tiles halve the barriers per key and amortise the q broadcast;
     # use them while the block stays within the no-opt-in shared budget and the scores stay
-    # within 16 registers (double scores take two; sm_80's ptxas spilled f64 8x2 at d=32).
+    # within 16 registers (double scores take two; docs/kernels.md, "Tile tables").
     keys = 2
     if (_simt_smem(name, d, dv, warps, rows, 2, dr) > SMEM_NO_OPT_IN
             or rows * 2 * words > 16):
@@ -347,8 +333,8 @@ def choose_mma_tiles(dtype, d, dv, lq, arch=DEFAULT_ARCH, tuned=None, dr=0):
     warps = max(1, min(tiles.warps, math.ceil(max(lq, 1) / (16 * m_tiles))))
     if (table == "sm_80" and warps == 1 and winner is None and d_bucket(width) == 128
             and name in ("float16", "bfloat16")):
-        # One warp at D = 128 (decoding): sm_80's ptxas held the 64-key tile at 255 registers
-        # and spilled 4 bytes beside the post-loop non-finite check; 32 keys take 228, no spill.
+        # One warp at D = 128 (decoding): 64-key tiles spill on sm_80, 32-key tiles do not
+        # (docs/kernels.md, "Tile tables")
         tiles = tiles._replace(block_n=min(tiles.block_n, 32))
     return tiles._replace(warps=warps, m_tiles=m_tiles)
 
@@ -519,8 +505,8 @@ def choose_bwd_tiles(dtype, d, dv, arch=DEFAULT_ARCH, dr=0, bias_tile=False):
     while rows > 1 and rows * cols * words > ACC_REGISTER_BUDGET:
         rows //= 2
     if dr and rows > 4:
-        # rel_qk: its dot per score and band offsets; at 8 rows the dQ kernel of float32
-        # D = 64 with every option held 253-254 registers on sm_80/sm_90 (NVRTC 13)
+        # rel_qk: its dot per score and band offsets need the registers of 4 rows
+        # (docs/kernels.md, "Tile tables")
         rows = 4
     # Items per lane: 64-row streamed tiles halve the barriers per row while s and dP (two
     # values per owned row and item) stay within 16 registers and the block within the

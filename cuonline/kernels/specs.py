@@ -558,10 +558,8 @@ class AttentionBwdSimtSpec(AttentionSpec):
                 "CUONLINE_WRITE_DS": int(self.write_ds)}
 
 
-#: Largest D and Dv of the tensor-core backward (dK and dV of 16 keys stay in registers:
-#: D = Dv = 128 is 128 float32 accumulators per lane; float64's take two registers each; TF32
-#: at 128 held 255 registers and spilled 16-36 bytes on sm_80/sm_90, its B fragments being
-#: scalar loads whose offsets ptxas keeps).
+#: Largest D and Dv of the tensor-core backward: dK and dV of 16 keys stay in registers, 128
+#: float32 accumulators per lane at 128 (docs/kernels.md, "Tile tables": why TF32 stops at 64).
 MMA_BWD_MAX_HEAD_DIM = {"float16": 128, "bfloat16": 128, "float32": 64, "float64": 64}
 
 

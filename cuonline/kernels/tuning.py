@@ -41,11 +41,8 @@ MMA = AttentionMmaSpec.family
 FAMILIES = tuple(f.name for f in families.forward_families())
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Registers (32-bit words) per lane that a tensor-core candidate may tie up in fragments: see
-#: :func:`mma_register_words`. The largest built-in tiles (f16 and tf32 at D = 256, f64 at
-#: D = 128) come to 144 and compile without spills; 160 spilled in some variants: f16 at
-#: D = 128 with 128-key tiles (with every option on; sm_80 already with the causal window
-#: alone), and two query tiles per warp of 64 keys at D = 64 (every option on) or of 32 keys
-#: at D = 128 (sm_80 with a window, sm_90 with the element-wise loader).
+#: :func:`mma_register_words`. The largest built-in tiles need 144; 160 spilled
+#: (docs/kernels.md, "Tile tables").
 MMA_REGISTER_WORDS = 144
 #: Values tried per tile parameter: (warps, block_n, stages, m_tiles) and (warps,
 #: rows_per_warp, keys_per_lane). A full tune measures their product (within the budgets), a
@@ -134,9 +131,8 @@ def _fits(arch, family, dtype, d, tiles, smem_limit) -> bool:
     except ValueError:
         return False
     if family == MMA:
-        # Registers: see MMA_REGISTER_WORDS. A second f64 stage needs 32 words of headroom:
-        # sm_90's ptxas spilled f64 at two stages with 128 words (D = 64, 64-key tiles) and 144
-        # (D = 128, 16-key tiles; the built-in table entry says why).
+        # Registers: see MMA_REGISTER_WORDS. A second f64 stage needs 32 words of headroom
+        # (docs/kernels.md, "Tile tables").
         # Shared memory: this arch's opt-in limit (or the device's, if lower).
         need = mma_register_words(spec)
         if name == "float64" and spec.stages == 2:
