@@ -17,6 +17,15 @@ OPTIONS = [{}, {"causal": True}, {"window": (20, 3)}, {"causal": True, "q_offset
            {"scale": 0.3, "return_lse": True}]
 
 
+@pytest.fixture(autouse=True)
+def machine(monkeypatch):
+    """The stacks depend on the tile shape and the core count: fixed here (512 x 512 tiles,
+    2 cores) so that every machine plans these cases alike."""
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 512)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 512)
+    monkeypatch.setattr(numpy_engine, "workers", lambda: 2)
+
+
 def data(rng, batch, lq, lk, d, dtype=np.float32):
     return (rng.standard_normal(batch + (lq, d)).astype(dtype),
             rng.standard_normal(batch + (lk, d)).astype(dtype),
@@ -53,7 +62,7 @@ def test_a_stack_never_outgrows_one_score_tile_and_feeds_every_core(rng):
     rows, keys = numpy_engine.blocks(p.acc_dtype)
     assert sum(len(elements) for elements, _, _ in stacks) == 120
     assert all(len(elements) * 32 * 48 <= rows * keys for elements, _, _ in stacks)
-    assert len(stacks) >= min(120, numpy_engine.workers())
+    assert len(stacks) >= 2                      # at least one stack per core
 
 
 @pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
@@ -65,8 +74,9 @@ def test_score_terms_take_the_general_path(rng, options):
 
 
 def test_long_or_single_sequences_take_the_general_path(rng):
-    rows = numpy_engine.blocks(np.float32)[0]
-    for batch, lq, lk in (((1,), 16, 16), ((2,), rows + 1, 16), ((2,), 4, numpy_engine.MAX_KEY_TILE + 1)):
+    # one element; more queries than a block; more keys than a tile; a stack of one element
+    longest = numpy_engine.MAX_KEY_TILE + 1
+    for batch, lq, lk in (((1,), 16, 16), ((2,), 513, 16), ((2,), 4, longest), ((4,), 512, 512)):
         q, k, v = data(rng, batch, lq, lk, 4)
         assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v)) is None
 

@@ -156,8 +156,9 @@ def stack_plan(p):
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
     if p.lq > block_q or j1 - j0 > key_tile(p.lq, block_q, block_k) or j1 == j0:
         return None
-    per_stack = max(1, block_q * block_k // (p.lq * (j1 - j0)))
-    per_stack = min(per_stack, -(-p.nbatch // workers()))
+    per_stack = min(block_q * block_k // (p.lq * (j1 - j0)), -(-p.nbatch // workers()))
+    if per_stack < 2:        # one element a stack: the general path, with its band spans
+        return None
     # the stacked copies of q, k and v stay small (a head dimension in the millions, broadcast
     # from a few numbers, is multiplied in slices by the general path instead)
     if per_stack * (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize > SLICE_BYTES:
