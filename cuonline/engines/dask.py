@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,7 +92,8 @@ def is_dask_merge(states) -> bool:
 # attention
 
 
-def attention(chunk_attention, /, q, k, v, **options):
+def attention(chunk_attention: Callable[..., Any], /, q: Any, k: Any, v: Any,
+              **options: Any) -> Any:
     """``cuonline.attention`` on Dask arrays: returns Dask arrays ``out`` (and ``lse`` with
     ``return_lse``), nothing computed.
 
@@ -142,7 +144,8 @@ def attention(chunk_attention, /, q, k, v, **options):
     return (out, lse) if p.return_lse else out
 
 
-def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
+def attention_backward(chunk_backward: Callable[..., Any], /, dout: Any, q: Any, k: Any,
+                       v: Any, out: Any, lse: Any, **options: Any) -> Any:
     """``cuonline.attention_backward`` on Dask arrays: a :class:`cuonline.Gradients` of Dask
     arrays, nothing computed.
 
@@ -171,7 +174,8 @@ def attention_backward(chunk_backward, /, dout, q, k, v, out, lse, **options):
                     if n in _GRADIENT_OF and _is_dask_array(x)}
     plan = _plan(da, arrays, options, p, chunk_backward)
     name = f"cuonline-attention-backward-{plan.token}"
-    dsk, readers = {}, {}
+    dsk: dict[Any, Any] = {}
+    readers: dict[tuple, list] = {}
     for b, iq, i0, i1, visible in plan.blocks:
         for jk, j0 in visible:
             key = (f"{name}-chunk", *b, iq, jk)
