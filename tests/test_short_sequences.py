@@ -92,3 +92,16 @@ def test_a_nan_stays_in_the_rows_that_see_it(rng):
     assert np.isnan(out[1, 5:, 0]).all() and np.isfinite(out[1, :, 1:]).all()
     check_attention(q[[0, 2, 3]], k[[0, 2, 3]], v[[0, 2, 3]], out[[0, 2, 3]], None,
                     {"causal": True})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_grouped_query_heads_in_16_bits(rng, dtype):
+    # keys and values shared by 4 query heads (a zero-stride batch axis), Dv != D, float16
+    # inputs accumulated in float32
+    q = rng.standard_normal((2, 4, 40, 16)).astype(dtype)
+    k = rng.standard_normal((2, 1, 50, 16)).astype(dtype)
+    v = rng.standard_normal((2, 1, 50, 24)).astype(dtype)
+    assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v, causal=True))
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    check_attention(q, k, v, out, lse, {"causal": True})
