@@ -155,7 +155,14 @@ def naive_attention(q, k, v, *, rounding, **options):
     seen = total > 0
     p = rnd(np.where(seen, e / np.where(seen, total, 1), 0.0))
     vv = np.broadcast_to(v, batch + v.shape[-2:])
-    out = rnd(_product("...ij,...jd->...id", p, vv, rounding))
+    finite = np.isfinite(vv)
+    out = _product("...ij,...jd->...id", p, np.where(finite, vv, 0.0), rounding)
+    if not finite.all():
+        # a non-finite value reaches only the rows that see its key, as in the reference
+        with np.errstate(invalid="ignore"):
+            out = out + np.where(s.visible[..., None], p[..., None] * np.where(
+                finite, 0.0, vv)[..., None, :, :], 0.0).sum(axis=-2)
+    out = rnd(out)
     with np.errstate(divide="ignore"):
         lse = np.where(seen, m + np.log(total), -np.inf)[..., 0]
     return out, rnd(lse)
