@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle import (naive_attention, naive_attention_backward, reference_attention,
-                    reference_attention_backward, reference_attention_stats)
+from oracle import (naive_attention, naive_attention_backward, naive_attention_stats,
+                    reference_attention, reference_attention_backward, reference_attention_stats)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,6 +183,33 @@ def check_gradients(got, dout, q, k, v, options, precision="highest"):
             continue
         assert g is not None, name
         assert_accurate(name, g, exact[name], naive[name], rounding)
+
+
+#: The fields of attention_stats, and those of them that are key indices.
+STATS_FIELDS = ("lse", "entropy", "max_weight", "argmax", "received", "top_indices",
+                "top_weights", "weights")
+STATS_INDICES = ("argmax", "top_indices")
+
+
+def check_stats(got, q, k, *, indices=True, **options):
+    """The statistics ``got`` (a mapping, or attention_stats' result) of ``attention_stats(q,
+    k, **options)`` against the oracle: the values by the accuracy rule against the naive
+    computation in the accumulation dtype (float32, float64 for float64), the key indices
+    exactly unless ``indices`` is False (near-ties a float32 accumulation may order otherwise)."""
+    acc = accumulation_of(q.dtype)
+    exact = reference_attention_stats(q, k, **options)
+    naive = naive_attention_stats(q, k, rounding=acc, **options)
+    for name in STATS_FIELDS:
+        g = got.get(name) if isinstance(got, dict) else getattr(got, name, None)
+        if g is None:
+            continue
+        if name in STATS_INDICES:
+            assert g.dtype == np.int64, name
+            if indices:
+                np.testing.assert_array_equal(g, exact[name], err_msg=name)
+            continue
+        assert g.dtype == acc, (name, g.dtype, acc)
+        assert_accurate(name, g, exact[name], naive[name], acc)
 
 
 # --------------------------------------------------------------------------------------------
