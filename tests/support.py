@@ -1,7 +1,7 @@
 """Helpers shared by the test modules (``conftest.py`` keeps only fixtures and hooks).
 
-Three parts: what this machine can run (dtypes, tolerances, the engines, one skip marker per
-missing tool); ThreadSanitizer subprocesses; and the attention cases and runners that several
+Three parts: what this machine can run (dtypes, the accuracy rule, the engines, one skip marker
+per missing tool); ThreadSanitizer subprocesses; and the attention cases and runners that several
 test modules, and the TSan subprocesses they start, have in common. A subprocess imports this
 module (``tests/`` is on its ``sys.path``), never a test module.
 """
@@ -21,7 +21,10 @@ from oracle import (naive_attention, naive_attention_backward, naive_attention_s
 ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------------------------
-# dtypes and tolerances
+# dtypes and the accuracy rule: the one rule for every comparison of an engine's attention,
+# gradients or statistics with the float64 oracle (check_attention, check_gradients,
+# check_stats, assert_accurate); a check that two engines agree is a check of each
+# against the oracle by this rule
 
 try:
     import ml_dtypes
