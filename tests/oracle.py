@@ -155,7 +155,14 @@ def naive_attention(q, k, v, *, rounding, **options):
     seen = total > 0
     p = rnd(np.where(seen, e / np.where(seen, total, 1), 0.0))
     vv = np.broadcast_to(v, batch + v.shape[-2:])
-    out = rnd(_product("...ij,...jd->...id", p, vv, rounding))
+    finite = np.isfinite(vv)
+    out = _product("...ij,...jd->...id", p, np.where(finite, vv, 0.0), rounding)
+    if not finite.all():
+        # a non-finite value reaches only the rows that see its key, as in the reference
+        with np.errstate(invalid="ignore"):
+            out = out + np.where(s.visible[..., None], p[..., None] * np.where(
+                finite, 0.0, vv)[..., None, :, :], 0.0).sum(axis=-2)
+    out = rnd(out)
     with np.errstate(divide="ignore"):
         lse = np.where(seen, m + np.log(total), -np.inf)[..., 0]
     return out, rnd(lse)
@@ -358,8 +365,24 @@ def reference_attention_stats(q, k, *, query_weights=None, top_k=0, rows=None, *
     ``P`` cannot tell an invisible key from an underflowed one, so tests keep logits moderate.
     """
     lk = np.shape(k)[-2]
-    eye = np.eye(lk)
-    P, lse = reference_attention(q, k, eye, **options)        # (S, Lq, Lk), (S, Lq)
+    P, lse = reference_attention(q, k, np.eye(lk), **options)     # (S, Lq, Lk), (S, Lq)
+    return _statistics(P, lse, query_weights, top_k, rows)
+
+
+def naive_attention_stats(q, k, *, rounding, query_weights=None, top_k=0, rows=None,
+                          **options):
+    """The statistics of a naive computation in the precision ``rounding`` (the accumulation
+    dtype of ``attention_stats``: float32, float64 for float64): the weights ``P`` and ``lse``
+    of :func:`naive_attention`, each statistic then formed from them as in
+    :func:`reference_attention_stats`."""
+    lk = np.shape(k)[-2]
+    P, lse = naive_attention(q, k, np.eye(lk), rounding=rounding, **options)
+    return _statistics(P, lse, query_weights, top_k, rows)
+
+
+def _statistics(P, lse, query_weights, top_k, rows):
+    """Every statistic of the dense weights ``P`` (S, Lq, Lk) from its definition."""
+    lk = P.shape[-1]
     seen = P > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         entropy = -np.where(seen, P * np.log(np.where(seen, P, 1)), 0).sum(axis=-1)

@@ -1,7 +1,7 @@
 """Helpers shared by the test modules (``conftest.py`` keeps only fixtures and hooks).
 
-Three parts: what this machine can run (dtypes, tolerances, the engines, one skip marker per
-missing tool); ThreadSanitizer subprocesses; and the attention cases and runners that several
+Three parts: what this machine can run (dtypes, the accuracy rule, the engines, one skip marker
+per missing tool); ThreadSanitizer subprocesses; and the attention cases and runners that several
 test modules, and the TSan subprocesses they start, have in common. A subprocess imports this
 module (``tests/`` is on its ``sys.path``), never a test module.
 """
@@ -15,13 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle import (naive_attention, naive_attention_backward, reference_attention,
-                    reference_attention_backward, reference_attention_stats)
+from oracle import (naive_attention, naive_attention_backward, naive_attention_stats,
+                    reference_attention, reference_attention_backward, reference_attention_stats)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------------------------
-# dtypes and tolerances
+# dtypes and the accuracy rule: the one rule for every comparison of an engine's attention,
+# gradients or statistics with the float64 oracle (check_attention, check_gradients,
+# check_stats, assert_accurate); a check that two engines agree is a check of each
+# against the oracle by this rule
 
 try:
     import ml_dtypes
@@ -48,17 +51,9 @@ ACCURACY_FLOOR = {
 if BFLOAT16 is not None:
     ACCURACY_FLOOR[BFLOAT16] = 1e-4
 
-# Absolute error allowed against the float64 oracle for the checks that have no naive
-# computation beside them (statistics, Dask chunks, frameworks), relative to the scale of the
-# output (values drawn from N(0, 1) so |out| <= a few). float32/float64: a few ulp of the
-# inputs' precision amplified by the length of the dot products; 16-bit: output rounding.
-TOLERANCE = {
-    np.dtype(np.float64): 1e-12,
-    np.dtype(np.float32): 2e-5,
-    np.dtype(np.float16): 4e-3,
-}
-if BFLOAT16 is not None:
-    TOLERANCE[BFLOAT16] = 3e-2
+# A deliberately broken kernel (tests/mutants.py) must miss the accuracy rule by this factor at
+# least, so that its failure is the edit's and not a rounding that happens to exceed the rule.
+MUTANT_MARGIN = 100.0
 
 
 def peak_traced_bytes(fn, warm_up=()):
@@ -80,11 +75,6 @@ def peak_traced_bytes(fn, warm_up=()):
         tracemalloc.stop()
 
 
-def tolerance(dtype) -> float:
-    """The absolute error allowed for ``dtype`` against the float64 oracle."""
-    return TOLERANCE[np.dtype(dtype)]
-
-
 def precision_of(dtype, precision="highest"):
     """The precision a computation in ``dtype`` runs at: ``"tf32"`` for float32 products at
     ``precision="tf32"``, else the dtype (the key of ACCURACY_FLOOR and the oracle's
@@ -98,28 +88,72 @@ def accumulation_of(dtype):
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
-def assert_accurate(name, got, exact, naive, precision):
-    """The accuracy rule: ``max |got - exact| <= ACCURACY_FACTOR * max |naive - exact| +
-    ACCURACY_FLOOR[precision] * max(1, max |exact|)`` over the entries where ``exact`` is
-    finite, whose non-finite entries ``got`` must repeat. A result returned in a narrower
-    dtype than the computation's (a float32 bias gradient beside float64 q) is rounded once
-    more: its epsilon joins the floor."""
+def accuracy(got, exact, naive, precision):
+    """``(err, limit)`` of the accuracy rule: ``err = max |got - exact|`` over the entries where
+    ``exact`` is finite (inf where ``got`` does not repeat its non-finite entries, or is NaN
+    where it is finite), ``limit = ACCURACY_FACTOR * max |naive - exact| +
+    ACCURACY_FLOOR[precision] * max(1, max |exact|)``. A result returned in a narrower dtype
+    than the computation's (a float32 bias gradient beside float64 q) is rounded once more:
+    its epsilon joins the floor."""
+    return _accuracy(got, exact, naive, precision)[:2]
+
+
+def _accuracy(got, exact, naive, precision):
     got, exact = np.asarray(got), np.asarray(exact)
-    assert got.shape == exact.shape, f"{name}: shape {got.shape} != {exact.shape}"
+    assert got.shape == exact.shape, f"shape {got.shape} != {exact.shape}"
     finite = np.isfinite(exact)
-    assert np.array_equal(got[~finite].astype(np.float64), exact[~finite], equal_nan=True), (
-        f"{name}: non-finite entries differ")
-    got64, exact = got[finite].astype(np.float64), exact[finite]
-    err = float(np.max(np.abs(got64 - exact), initial=0.0))
-    naive_err = float(np.max(np.abs(np.asarray(naive)[finite] - exact), initial=0.0))
-    magnitude = max(1.0, float(np.max(np.abs(exact), initial=0.0)))
+    got64, exact64 = got[finite].astype(np.float64), exact[finite]
+    naive_err = float(np.max(np.abs(np.asarray(naive)[finite] - exact64), initial=0.0))
+    magnitude = max(1.0, float(np.max(np.abs(exact64), initial=0.0)))
     floor = ACCURACY_FLOOR[precision]
     computed = np.dtype(np.float32 if isinstance(precision, str) else precision)
     if got.dtype != computed and got.dtype.itemsize < accumulation_of(computed).itemsize:
         floor += float(np.finfo(got.dtype).eps)
     limit = ACCURACY_FACTOR * naive_err + floor * magnitude
+    if not np.array_equal(got[~finite].astype(np.float64), exact[~finite], equal_nan=True):
+        return float("inf"), limit, naive_err
+    diff = np.abs(got64 - exact64)
+    err = float("inf") if np.isnan(diff).any() else float(np.max(diff, initial=0.0))
+    return err, limit, naive_err
+
+
+def assert_accurate(name, got, exact, naive, precision):
+    """Assert the accuracy rule (:func:`accuracy`) for the result ``name``; ``(err, limit)``."""
+    got, exact = np.asarray(got), np.asarray(exact)
+    assert got.shape == exact.shape, f"{name}: shape {got.shape} != {exact.shape}"
+    finite = np.isfinite(exact)
+    assert np.array_equal(got[~finite].astype(np.float64), exact[~finite], equal_nan=True), (
+        f"{name}: non-finite entries differ")
+    err, limit, naive_err = _accuracy(got, exact, naive, precision)
     assert err <= limit, f"{name}: error {err:.3g} > {limit:.3g} (naive {naive_err:.3g})"
     return err, limit
+
+
+def _attention_results(q, k, v, out, lse, options, precision):
+    """``(name, got, exact, naive, precision)`` of ``out`` and ``lse`` (when not None) of
+    ``attention(q, k, v, **options)``: ``out`` against the naive computation in q's precision,
+    ``lse`` against the naive one in the accumulation dtype (the scores a 16-bit engine sums
+    in float32)."""
+    options = {n: x for n, x in options.items() if n != "return_lse"}
+    ref_out, ref_lse = reference_attention(q, k, v, **options)
+    rounding = precision_of(q.dtype, precision)
+    naive_out, naive_lse = naive_attention(q, k, v, rounding=rounding, **options)
+    yield "out", out, ref_out, naive_out, rounding
+    if lse is not None:
+        acc = accumulation_of(q.dtype)
+        lse_rounding = rounding if isinstance(rounding, str) or rounding == acc else acc
+        if lse_rounding != rounding:
+            _, naive_lse = naive_attention(q, k, v, rounding=lse_rounding, **options)
+        yield "lse", lse, ref_lse, naive_lse, lse_rounding
+
+
+def attention_error_ratio(q, k, v, out, lse, options, precision="highest"):
+    """The largest ``err / limit`` of the accuracy rule over ``out`` and ``lse`` (None: out
+    only) of ``attention(q, k, v, **options)``: at most 1 for an accurate result, inf for a
+    NaN or misplaced non-finite entry. A mutant must exceed :data:`MUTANT_MARGIN`."""
+    ratios = [err / limit for err, limit in (accuracy(*r[1:]) for r in _attention_results(
+        q, k, v, out, lse, options, precision))]
+    return max(ratios)
 
 
 def check_attention(q, k, v, out, lse, options, precision="highest"):
@@ -127,19 +161,11 @@ def check_attention(q, k, v, out, lse, options, precision="highest"):
     of ``attention(q, k, v, **options)`` against the oracle, by the accuracy rule: ``out``
     against the naive computation in q's precision, ``lse`` against the naive one in the
     accumulation dtype (the scores a 16-bit engine sums in float32); fully masked rows exact."""
-    options = {n: x for n, x in options.items() if n != "return_lse"}
-    ref_out, ref_lse = reference_attention(q, k, v, **options)
     assert out.dtype == q.dtype, (out.dtype, q.dtype)
-    rounding = precision_of(q.dtype, precision)
-    naive_out, naive_lse = naive_attention(q, k, v, rounding=rounding, **options)
-    assert_accurate("out", out, ref_out, naive_out, rounding)
     if lse is not None:
-        acc = accumulation_of(q.dtype)
-        assert lse.dtype == acc, (lse.dtype, acc)
-        lse_rounding = rounding if isinstance(rounding, str) or rounding == acc else acc
-        if lse_rounding != rounding:
-            _, naive_lse = naive_attention(q, k, v, rounding=lse_rounding, **options)
-        assert_accurate("lse", lse, ref_lse, naive_lse, lse_rounding)
+        assert lse.dtype == accumulation_of(q.dtype), (lse.dtype, accumulation_of(q.dtype))
+    for result in _attention_results(q, k, v, out, lse, options, precision):
+        assert_accurate(*result)
 
 
 #: The gradients :func:`check_gradients` compares, in attention_backward's field order.
@@ -160,6 +186,33 @@ def check_gradients(got, dout, q, k, v, options, precision="highest"):
             continue
         assert g is not None, name
         assert_accurate(name, g, exact[name], naive[name], rounding)
+
+
+#: The fields of attention_stats, and those of them that are key indices.
+STATS_FIELDS = ("lse", "entropy", "max_weight", "argmax", "received", "top_indices",
+                "top_weights", "weights")
+STATS_INDICES = ("argmax", "top_indices")
+
+
+def check_stats(got, q, k, *, indices=True, **options):
+    """The statistics ``got`` (a mapping, or attention_stats' result) of ``attention_stats(q,
+    k, **options)`` against the oracle: the values by the accuracy rule against the naive
+    computation in the accumulation dtype (float32, float64 for float64), the key indices
+    exactly unless ``indices`` is False (near-ties a float32 accumulation may order otherwise)."""
+    acc = accumulation_of(q.dtype)
+    exact = reference_attention_stats(q, k, **options)
+    naive = naive_attention_stats(q, k, rounding=acc, **options)
+    for name in STATS_FIELDS:
+        g = got.get(name) if isinstance(got, dict) else getattr(got, name, None)
+        if g is None:
+            continue
+        if name in STATS_INDICES:
+            assert g.dtype == np.int64, name
+            if indices:
+                np.testing.assert_array_equal(g, exact[name], err_msg=name)
+            continue
+        assert g.dtype == acc, (name, g.dtype, acc)
+        assert_accurate(name, g, exact[name], naive[name], acc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,22 +508,6 @@ def run_mma(backend, q, k, v, *, precision="highest", n_splits=None, num_sms=Non
     if backend == "cupy":
         out, lse = out.get(), (None if lse is None else lse.get())
     return out, lse
-
-
-def oracle_errors(q, k, v, out, lse, options):
-    """Max abs error of out and lse against the float64 oracle, and whether -inf rows agree."""
-    ref_options = {n: x for n, x in options.items() if n != "return_lse"}
-    ref_out, ref_lse = reference_attention(q, k, v, **ref_options)
-    assert out.shape == ref_out.shape and out.dtype == q.dtype
-    out_err = float(np.max(np.abs(out.astype(np.float64) - ref_out), initial=0.0))
-    if lse is None:
-        return out_err, 0.0
-    assert lse.shape == ref_lse.shape
-    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "fully-masked rows differ"
-    finite = np.isfinite(ref_lse)
-    lse_err = float(np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(
-        1.0, np.abs(ref_lse[finite])), initial=0.0))
-    return out_err, lse_err
 
 
 # --------------------------------------------------------------------------------------------

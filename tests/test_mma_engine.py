@@ -19,7 +19,7 @@ import pytest
 from mutants import mutant_sources
 from oracle import reference_attention
 from support import (BFLOAT16, OPTION_NAMES, check_attention, check_races, cuda_backend_params,
-                     make_case, needs_emulation, needs_nvrtc, oracle_errors, problem_of, run_mma)
+                     make_case, needs_emulation, needs_nvrtc, problem_of, run_mma)
 
 from cuonline.kernels import families, heuristics, source
 from cuonline.kernels.launch import Launch
@@ -63,7 +63,6 @@ def check(backend, q, k, v, options, *, precision="highest", **seams):
     options = dict(options)
     options.setdefault("return_lse", True)
     out, lse = run_mma(backend, q, k, v, precision=precision, **seams, **options)
-    out_err, lse_err = oracle_errors(q, k, v, out, lse, options)
     if precision == "tf32":
         ref_options = {n: x for n, x in options.items() if n != "return_lse"}
         ref_out, ref_lse = reference_attention(q, k, v, **ref_options)

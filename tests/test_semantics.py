@@ -111,10 +111,9 @@ def test_huge_scores_do_not_overflow(engine, rng):
     k = normal(rng, (60, 16)) * 30
     v = normal(rng, (60, 8))
     out, lse = engine.attention(q, k, v, scale=1.0, return_lse=True)
-    ref_out, ref_lse = reference_attention(q, k, v, scale=1.0)
+    _, ref_lse = reference_attention(q, k, v, scale=1.0)
     assert np.all(np.isfinite(out)) and np.abs(ref_lse).max() > 1e3
-    np.testing.assert_allclose(out, ref_out, atol=1e-4)
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    check_attention(q, k, v, out, lse, dict(scale=1.0))
 
 
 def test_float16_error_within_twice_naive(engine, rng):

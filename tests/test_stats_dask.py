@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import STATS_FIELDS
 
 import cuonline
 
 da = pytest.importorskip("dask.array")
 
-FIELDS = ("lse", "entropy", "max_weight", "argmax", "received", "top_indices", "top_weights",
-          "weights")
+FIELDS = STATS_FIELDS
 
 
 def _same(lazy, eager, rtol=1e-12):
