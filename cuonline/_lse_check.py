@@ -166,9 +166,13 @@ def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, product
     tol = row_sum_tolerance(xp, acc_dtype, n_keys, lse, logit_terms, products)
     dead = lse == -xp.inf
     # a sum of 0 counts as the smallest positive number of the dtype: allowed only where the
-    # bound spans the whole exponent range (an lse that rounds the row's maximum away)
-    tiny = float(np.finfo(acc_dtype).smallest_subnormal)
-    log_sum = xp.log(xp.maximum(row_sums, tiny))
+    # bound spans the whole exponent range (an lse that rounds the row's maximum away). Its
+    # log is formed from the exponent, not taken of the number: where the process flushes
+    # subnormals to zero (JAX does), float64's smallest one reads as 0
+    info = np.finfo(acc_dtype)
+    log_tiny = (info.minexp - info.nmant) * math.log(2.0)
+    positive = row_sums > 0
+    log_sum = xp.where(positive, xp.log(xp.where(positive, row_sums, 1.0)), log_tiny)
     if all_keys is None:
         all_keys = not keys_are_partial()
     off = xp.where(dead | xp.isnan(row_sums), 0.0,
