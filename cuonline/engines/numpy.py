@@ -31,10 +31,10 @@ import numpy as np
 from .. import _options, _semantics
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
+from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
 
 if TYPE_CHECKING:
     from .._validate import Problem
-from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
 
 # The float32 tile shape from this machine's L2 (cpu_runtime.score_tile, one live score tile:
 # 512 x 512 on a 1 MiB L2); other dtypes take theirs from blocks() (512 x 256 float64). Set to
@@ -189,12 +189,7 @@ def attend_stacked(p, elements, j0, j1):
     with np.errstate(invalid="ignore", over="ignore"):
         o = np.matmul(s, values)
         finite = np.isfinite(o).all(axis=(1, 2))
-    m, l = m.reshape(g, n), l.reshape(g, n)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        # a row that sees no key has p = 0 everywhere and keeps o = 0
-        np.divide(o, l[..., None], out=o, where=(l > 0)[..., None])
-        o[np.isnan(l)] = np.nan
-        lse = (m + np.log(l)).astype(acc_t, copy=False)
+    o, lse = _normalised(m.reshape(g, n), l.reshape(g, n), o, acc_t)
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
     return o, lse
@@ -232,9 +227,16 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
         finite = np.isfinite(o).all()
     if not finite:
         m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=True)
+    return _normalised(m, l, o, acc_t)
+
+
+def _normalised(m, l, o, acc_t):
+    """``(o / l, m + log(l))`` of online-softmax states (any leading shape; ``o`` divided in
+    place): 0 and ``-inf`` for a row that sees no key, NaN for a row whose sum is NaN."""
     with np.errstate(divide="ignore", invalid="ignore"):
         seen = l > 0
-        o = np.divide(o, l[:, None], out=np.zeros_like(o), where=seen[:, None])
+        np.divide(o, l[..., None], out=o, where=seen[..., None])
+        o[~seen] = 0
         o[np.isnan(l)] = np.nan
         lse = m + np.log(l)
     return o, lse.astype(acc_t, copy=False)
