@@ -17,16 +17,22 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["VARIABLES", "STACK_KB_RANGE", "cache_root", "cache_dir", "cxx", "emulate_stack_kb",
-           "emulate_watchdog_s"]
+__all__ = ["VARIABLES", "STACK_KB_RANGE", "CPU_BLAS_CHOICES", "cache_root", "cache_dir",
+           "cpu_blas", "cxx", "emulate_stack_kb", "emulate_watchdog_s"]
 
 #: name -> (meaning, default, valid values); docs/environment.md says the same for users.
 VARIABLES = {
     "CUONLINE_CACHE_DIR": (
         "root of the on-disk cache: compiled emulation libraries in emulate/, tuning results "
-        "in tuning/",
+        "in tuning/, the CPU engines' BLAS choice in cpu/",
         "$XDG_CACHE_HOME/cuonline, else ~/.cache/cuonline",
         "an absolute path, or one starting with ~ or ~user",
+    ),
+    "CUONLINE_CPU_BLAS": (
+        "the library that runs the CPU engines' matrix products: measured once per machine "
+        "(auto, the choice kept in cpu/ of the cache), or named",
+        "auto",
+        "auto, numpy, openblas or mkl",
     ),
     "CUONLINE_EMULATE_STACK_KB": (
         "stack size of each emulated CUDA thread in the fibers mode, in KiB",
@@ -111,8 +117,30 @@ def cache_root() -> Path:
 
 
 def cache_dir(part: str) -> Path:
-    """``cache_root() / part``: ``"emulate"`` (compiled libraries) or ``"tuning"``."""
+    """``cache_root() / part``: ``"emulate"`` (compiled libraries), ``"tuning"`` or ``"cpu"``
+    (the CPU engines' BLAS choice)."""
     return cache_root() / part
+
+
+#: The values of CUONLINE_CPU_BLAS.
+CPU_BLAS_CHOICES = ("auto", "numpy", "openblas", "mkl")
+
+
+def cpu_blas() -> str:
+    """``$CUONLINE_CPU_BLAS`` (default ``auto``): the CPU engines' matrix-product library.
+
+    Raises
+    ------
+    ValueError
+        The value is not one of :data:`CPU_BLAS_CHOICES` (case and spaces as given count).
+    """
+    name = "CUONLINE_CPU_BLAS"
+    value = _get(name)
+    if value is None:
+        return VARIABLES[name][1]
+    if value not in CPU_BLAS_CHOICES:
+        raise _bad(name, value, VARIABLES[name][2])
+    return value
 
 
 def _integer(name: str, value: str, expected: str) -> int:

@@ -22,8 +22,10 @@ needs_cores = pytest.mark.skipif(numpy_engine.workers() < 2,
 
 
 def blas_threads():
+    """The thread counts of the BLAS libraries loaded, but for MKL on its sequential layer
+    (cuonline's products, ``cuonline.engines.cpu_blas``): it has no threads to hold."""
     return [info["num_threads"] for info in threadpoolctl.threadpool_info()
-            if info["user_api"] == "blas"]
+            if info["user_api"] == "blas" and info.get("threading_layer") != "sequential"]
 
 
 def data(rng, batch, lq, lk, d, dtype=np.float32):

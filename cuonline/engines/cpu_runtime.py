@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 __all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels",
-           "cache_sizes", "score_tile", "machine", "blas_libraries"]
+           "cache_sizes", "score_tile", "machine", "blas_libraries", "single_threaded_blas",
+           "cpu_model"]
 
 
 def workers() -> int:
@@ -59,7 +60,7 @@ def run_tasks(tasks, fn, n_workers, cost=None):
     n = min(n_workers, len(tasks))
     order = (range(len(tasks)) if cost is None
              else sorted(range(len(tasks)), key=lambda i: -cost(tasks[i])))
-    with _single_threaded_blas():
+    with single_threaded_blas():
         if n == 1:
             results = [None] * len(tasks)
             for i in order:
@@ -148,7 +149,9 @@ _blas_thread = None
 
 
 @contextlib.contextmanager
-def _single_threaded_blas():
+def single_threaded_blas():
+    """Hold NumPy's BLAS to one thread within (shared by concurrent holders; the last one
+    out gives the user's count back)."""
     _blas_enter()
     try:
         yield
@@ -345,11 +348,14 @@ def machine():
     "cores": count, "numba": target CPU and its widest vector instruction sets, "blas": library,
     version and kernel architecture per BLAS, "caches": cache_sizes()}``. Imports numba and
     threadpoolctl (benchmarks only; the engines never call this)."""
-    return {"cpu": _cpu_model(), "cores": workers(), "numba": _numba_target(),
-            "blas": _blas_kernels(), "caches": cache_sizes()}
+    from .cpu_blas import describe
+
+    return {"cpu": cpu_model(), "cores": workers(), "numba": _numba_target(),
+            "blas": _blas_kernels(), "products": describe(), "caches": cache_sizes()}
 
 
-def _cpu_model():
+def cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform``)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

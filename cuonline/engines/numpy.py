@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _options, _semantics
+from .cpu_blas import product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
@@ -179,15 +180,15 @@ def attend_stacked(p, elements, j0, j1):
     pipeline = ScorePipeline(p, elements[0], 0, n, queries=queries[0])   # the band only
     keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
     values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
-    s = np.matmul(queries, keys.transpose(0, 2, 1))
+    s = product(queries, keys.transpose(0, 2, 1))
     m = np.full(g * n, -np.inf, dtype=acc_t)
     l = np.zeros(g * n, dtype=acc_t)
     lo, hi = pipeline.window_columns(j0, w)
     # one tile: no output to rescale yet, so the kernel gets a zero-width one
     tile_kernel(acc_t)(s.reshape(g * n, w), m, l, np.empty((g * n, 0), dtype=acc_t),
                        np.tile(lo, g), np.tile(hi, g))
-    with np.errstate(invalid="ignore", over="ignore"):
-        o = np.matmul(s, values)
+    o = product(s, values)
+    with np.errstate(invalid="ignore"):
         finite = np.isfinite(o).all(axis=(1, 2))
     o, lse = _normalised(m.reshape(g, n), l.reshape(g, n), o, acc_t)
     for i in np.flatnonzero(~finite):
@@ -272,14 +273,12 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
         # accumulate P·V: values at keys a row cannot see must not reach it (0 * NaN)
         vt = blas_ready(v[js:je], acc_t)
         if careful:
-            o += visible_product(s, vt, lambda js=js, je=je: pipeline.visible(js, je))
-            continue
-        with np.errstate(invalid="ignore", over="ignore"):
-            if spans is None:
-                o += s @ vt
-            else:
-                for r0, r1, c0, c1 in spans:
-                    o[r0:r1] += s[r0:r1, c0:c1] @ vt[c0:c1]
+            visible_product(s, vt, lambda js=js, je=je: pipeline.visible(js, je), add_to=o)
+        elif spans is None:
+            product(s, vt, o, add=True)
+        else:
+            for r0, r1, c0, c1 in spans:
+                product(s[r0:r1, c0:c1], vt[c0:c1], o[r0:r1], add=True)
     return m, l, o
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
+from .cpu_blas import product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
                            visible_product)
@@ -291,24 +292,27 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
                     sums.sees[b][i0:i1] |= seen().any(axis=1)
             if kv_part and spans is not None:
                 for r0, r1, c0, c1 in spans:
-                    dv[js + c0:js + c1] += prob[r0:r1, c0:c1].T @ e.do[i0 + r0:i0 + r1]
-                    dk[js + c0:js + c1] += ds_content[r0:r1, c0:c1].T @ e.qs[i0 + r0:i0 + r1]
+                    product(prob[r0:r1, c0:c1].T, e.do[i0 + r0:i0 + r1], dv[js + c0:js + c1],
+                            add=True)
+                    product(ds_content[r0:r1, c0:c1].T, e.qs[i0 + r0:i0 + r1],
+                            dk[js + c0:js + c1], add=True)
             elif kv_part:
                 # dV += P^T dO; dK += dS^T (scale Q)
-                dv[js:je] += visible_product(prob.T, e.do[i0:i1], seen.transposed,
-                                             e.do_finite)
-                dk[js:je] += visible_product(ds_content.T, e.qs[i0:i1], seen.transposed,
-                                             e.qs_finite)
+                visible_product(prob.T, e.do[i0:i1], seen.transposed, e.do_finite,
+                                add_to=dv[js:je])
+                visible_product(ds_content.T, e.qs[i0:i1], seen.transposed, e.qs_finite,
+                                add_to=dk[js:je])
             if q_part:
                 _bias_gradients(p, pipeline, buffers, slots, ds, i0, js, je)
                 _relative_logit_gradients(p, pipeline, buffers, slots, ds_content, i0, js,
                                           seen)
                 # dQ += dS K (scaled later)
                 if spans is None:
-                    dq[i0:i1] += visible_product(ds_content, kt, seen, k_finite)
+                    visible_product(ds_content, kt, seen, k_finite, add_to=dq[i0:i1])
                 else:
                     for r0, r1, c0, c1 in spans:
-                        dq[i0 + r0:i0 + r1] += ds_content[r0:r1, c0:c1] @ kt[c0:c1]
+                        product(ds_content[r0:r1, c0:c1], kt[c0:c1], dq[i0 + r0:i0 + r1],
+                                add=True)
 
 
 class _Visibility:

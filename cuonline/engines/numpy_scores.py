@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cpu_blas import product
+
 __all__ = ["ScorePipeline", "blas_ready", "visible_product", "spanned_product", "soft_cap",
            "skewed", "REL_ROWS", "SLICE_BYTES"]
 
@@ -191,7 +193,8 @@ class ScorePipeline:
         for r0 in range(0, self.n, REL_ROWS):
             r1 = min(r0 + REL_ROWS, self.n)
             g = r1 - r0
-            products = self.rel_q[r0:r1] @ band_t[:, self.n - r1:self.n - r1 + g + w - 1]
+            products = product(self.rel_q[r0:r1],
+                               band_t[:, self.n - r1:self.n - r1 + g + w - 1])
             s[r0:r1] += skewed(products.reshape(-1), g, products.shape[1] - 1, w)
 
     def add_biases(self, s, js, je):
@@ -215,12 +218,12 @@ def spanned_product(a, b, spans=None):
     the columns ``[c0, c1)`` of the rows ``[r0, r1)`` of each span of
     :meth:`ScorePipeline.row_spans`, 0 elsewhere."""
     if spans is None:
-        return a @ b.T
+        return product(a, b.T)
     out = np.empty((a.shape[0], b.shape[0]), dtype=np.result_type(a, b))
     for r0, r1, c0, c1 in spans:
         out[r0:r1, :c0] = 0
         out[r0:r1, c1:] = 0
-        np.matmul(a[r0:r1], b[c0:c1].T, out=out[r0:r1, c0:c1])
+        product(a[r0:r1], b[c0:c1].T, out[r0:r1, c0:c1])
     return out
 
 
@@ -242,11 +245,12 @@ def soft_cap(s, cap, keep_tanh=False):
     return tanh
 
 
-def visible_product(a, b, visible, b_finite=False):
+def visible_product(a, b, visible, b_finite=False, add_to=None):
     """``a @ b`` where a NaN or infinite row of ``b`` reaches only the rows of ``a`` that see
     it: 0 * NaN must not carry NaN into a result that the non-finite number has no path to.
     ``b_finite=True`` (the caller has checked that every element of ``b`` is finite): the plain
     product, which is what the general path gives for such a ``b``, without its checks.
+    ``add_to``: an array the result is added to (in one pass where ``b`` is finite); returned.
 
     ``a``: (n, k) weights (0 where not visible); ``b``: (k, m); ``visible()``: the (n, k)
     boolean of the places that are seen (asked only when the plain product is not finite).
@@ -254,8 +258,19 @@ def visible_product(a, b, visible, b_finite=False):
     operands; otherwise the non-finite rows of ``b`` are zeroed for the matmul and their exact
     contribution added where seen (there, 0 * inf is NaN as the naive formula gives).
     """
+    if b_finite and add_to is not None:
+        return product(a, b, add_to, add=True)
+    out = _visible_product(a, b, visible, b_finite)
+    if add_to is None:
+        return out
     with np.errstate(invalid="ignore", over="ignore"):
-        out = a @ b
+        add_to += out
+    return add_to
+
+
+def _visible_product(a, b, visible, b_finite):
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = product(a, b)
         if b_finite or np.isfinite(np.sum(out)):
             return out
         bad = np.flatnonzero(~np.isfinite(b).all(axis=1))
@@ -267,7 +282,7 @@ def visible_product(a, b, visible, b_finite=False):
     b[bad] = 0
     with np.errstate(invalid="ignore", over="ignore"):
         part = np.where(seen_bad[:, :, None], a[:, bad, None] * b_bad[None], 0)
-        return a @ b + part.sum(axis=1)
+        return product(a, b) + part.sum(axis=1)
 
 
 def blas_ready(x, dtype):
@@ -301,5 +316,5 @@ def _sliced_product(a, b, dtype, scale):
     out = np.zeros((n, w), dtype=dtype)
     for c in range(0, d, step):
         part = blas_ready(a[:, c:c + step], dtype) * scale
-        out += part @ blas_ready(b[:, c:c + step], dtype).T
+        product(part, blas_ready(b[:, c:c + step], dtype).T, out, add=True)
     return out

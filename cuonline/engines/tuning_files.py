@@ -24,7 +24,7 @@ from .. import _environment
 from ..kernels import tuning
 
 __all__ = ["clear_cache", "current_device_winners", "device_identity", "load_winners", "store",
-           "tuning_dir", "tuning_path", "cuonline_version"]
+           "tuning_dir", "tuning_path", "cuonline_version", "write_json_atomically"]
 
 
 def cuonline_version() -> str:
@@ -80,7 +80,16 @@ def store(doc, path=None) -> Path:
                                      version=doc["cuonline"])
     except (OSError, ValueError):
         old = None     # missing or unusable: replaced
-    doc = tuning.merge_documents(old, doc)
+    write_json_atomically(path, tuning.merge_documents(old, doc))
+    clear_cache()
+    return path
+
+
+def write_json_atomically(path, doc) -> None:
+    """Write ``doc`` as JSON to ``path`` (its folder created) through a temporary file and
+    ``os.replace``: a reader sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -88,12 +97,10 @@ def store(doc, path=None) -> Path:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)    # readers see the old file or the new one, never a torn one
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    clear_cache()
-    return path
 
 
 _cache: dict = {}

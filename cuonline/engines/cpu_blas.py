@@ -1,0 +1,366 @@
+"""The CPU engines' matrix products: one function, :func:`product`, on the fastest BLAS that
+this machine has.
+
+NumPy's ``@`` reaches the BLAS NumPy was built with (OpenBLAS in the PyPI wheels). On some
+machines another library is faster on the engines' tile shapes: on the Intel Xeon of
+docs/performance.md (machine C), Intel MKL's single-threaded products were 1.2-1.35x
+OpenBLAS's, which is the whole gap to torch's fused kernel there, itself built on MKL. So the
+products go through CBLAS by ``ctypes`` to one of:
+
+``openblas``
+    NumPy's own OpenBLAS (the library threadpoolctl reports; its ``cblas_?gemm`` under the
+    symbol names of the build, 64-bit integers where the build has them);
+``mkl``
+    Intel MKL from the ``mkl`` package (``pip install cuonline[mkl]``), set to its sequential
+    layer (the engines run their own threads and hold the other BLAS to one thread each) and
+    to conditional numerical reproducibility (``MKL_CBWR_AUTO | STRICT``), so that a product
+    rounds the same whatever the alignment of its operands, and results stay the same for
+    every ``workers``;
+``numpy``
+    NumPy's ``@`` itself.
+
+Which one: ``$CUONLINE_CPU_BLAS`` (:func:`cuonline._environment.cpu_blas`) names it, or, by
+default (``auto``), the candidates are timed once per machine on the forward tile's two
+products, one thread each, CPU time of the calling thread, and the fastest kept (MKL only when
+it is at least 5% ahead: both round correctly, and a library not loaded is one less to hold);
+the choice is stored in ``$CUONLINE_CACHE_DIR/cpu/blas.json`` under the CPU model and the
+libraries' versions, so later processes on the machine take the same library (and round the
+same) without timing again. A product CBLAS cannot take as it is (an operand with strides in
+both dimensions, an output that is not row-major, mixed dtypes, an empty dimension, an output
+that overlaps an operand) goes to NumPy's ``@``: correct, at NumPy's speed.
+
+Every library computes the IEEE products of the same inputs; they differ in the order of
+their sums, so results on one machine may differ in the last bits from one library to
+another, as they do from one machine to another.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .. import _environment
+
+__all__ = ["chosen", "product", "available", "describe", "reset"]
+
+# CBLAS's enums (cblas.h): C ints whatever the integer width of the library
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+# MKL's service functions (mkl_service.h)
+_MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
+_MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_SUCCESS = 2, 0x10000, 0
+# MKL must beat OpenBLAS by this much to be chosen over it
+_MARGIN = 1.05
+
+
+class Cblas:
+    """``cblas_sgemm`` and ``cblas_dgemm`` of one loaded library, called by ctypes (which
+    releases the GIL for the call, so the engines' threads run their products at once)."""
+
+    def __init__(self, name, handle, sgemm, dgemm, int_type, version):
+        self.name, self.version = name, version
+        self._handle = handle                    # keeps the library loaded
+        self.path = getattr(handle, "_name", "")
+        self._gemm = {}
+        for dtype, fn, real in ((np.float32, sgemm, ctypes.c_float),
+                                (np.float64, dgemm, ctypes.c_double)):
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, int_type, int_type,
+                           int_type, real, ctypes.c_void_p, int_type, ctypes.c_void_p,
+                           int_type, real, ctypes.c_void_p, int_type]
+            self._gemm[np.dtype(dtype)] = fn
+
+    def gemm(self, a, b, out, add):
+        """``out = a @ b`` (``add``: ``out += a @ b``) when CBLAS can take the operands as
+        they are; False (nothing done) when it cannot."""
+        fn = self._gemm.get(out.dtype)
+        if fn is None or a.dtype != out.dtype or b.dtype != out.dtype:
+            return False
+        m, k = a.shape
+        n = b.shape[1]
+        if m == 0 or n == 0 or k == 0 or not out.flags.writeable:
+            return False
+        ta, tb, oc = _layout(a), _layout(b), _layout(out)
+        if ta is None or tb is None or oc is None or oc[0] != _NO_TRANS:
+            return False
+        if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            return False
+        fn(_ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, a.ctypes.data, ta[1], b.ctypes.data,
+           tb[1], 1.0 if add else 0.0, out.ctypes.data, oc[1])
+        return True
+
+
+def _layout(x):
+    """``(transpose flag, leading dimension)`` of a 2-d array as row-major CBLAS reads it, or
+    None when neither of its dimensions is contiguous (or its data is misaligned)."""
+    rows, cols = x.shape
+    size = x.itemsize
+    s0, s1 = x.strides
+    if not x.flags.aligned:
+        return None
+    if s1 == size or cols == 1:
+        ld = s0 // size if rows > 1 else cols
+        if rows == 1 or (s0 % size == 0 and ld >= cols):
+            return _NO_TRANS, max(ld, 1)
+    if s0 == size or rows == 1:
+        ld = s1 // size if cols > 1 else rows
+        if cols == 1 or (s1 % size == 0 and ld >= rows):
+            return _TRANS, max(ld, 1)
+    return None
+
+
+def product(a, b, out=None, *, add=False):
+    """``a @ b`` of 2-d ``a`` (m, k) and ``b`` (k, n) on the chosen BLAS.
+
+    ``out``: an (m, n) array to write the product into, or (``add=True``) to add it to, in
+    one pass (no temporary); returned. Without ``out`` a new C-ordered array of the operands'
+    dtype is returned. 3-d operands are a stack of products (one call per element).
+    """
+    if a.ndim == 3:
+        if out is None:
+            out = np.empty((a.shape[0], a.shape[1], b.shape[-1]),
+                           dtype=np.result_type(a, b))
+        for i in range(a.shape[0]):
+            product(a[i], b[i] if b.ndim == 3 else b, out[i], add=add)
+        return out
+    if out is None:
+        if add:
+            raise ValueError("product(add=True) needs out= to add to")
+        out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+    blas = chosen()
+    if blas is not None and blas.gemm(a, b, out, add):
+        return out
+    if add:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the libraries
+
+
+def _numpy_openblas():
+    """NumPy's OpenBLAS through CBLAS, or None (NumPy on another BLAS, or symbols not found)."""
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+    except ImportError:
+        return None
+    for info in threadpool_info():
+        if info.get("internal_api") != "openblas" or not info.get("filepath"):
+            continue
+        try:
+            handle = ctypes.CDLL(info["filepath"])
+        except OSError:
+            continue
+        # the scipy-openblas wheels prefix every symbol and suffix 64-bit-integer ones
+        for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("scipy_", ""), ("", "")):
+            try:
+                sgemm = getattr(handle, f"{prefix}cblas_sgemm{suffix}")
+                dgemm = getattr(handle, f"{prefix}cblas_dgemm{suffix}")
+            except AttributeError:
+                continue
+            wide = suffix == "64_" or _openblas_is_ilp64(handle, prefix, suffix)
+            return Cblas("openblas", handle, sgemm, dgemm,
+                         ctypes.c_int64 if wide else ctypes.c_int,
+                         f"openblas {info.get('version')}")
+    return None
+
+
+def _openblas_is_ilp64(handle, prefix, suffix):
+    """True when the OpenBLAS build says it takes 64-bit integers (``USE64BITINT``)."""
+    try:
+        config = getattr(handle, f"{prefix}openblas_get_config{suffix}")
+    except AttributeError:
+        return False
+    config.restype = ctypes.c_char_p
+    return b"USE64BITINT" in (config() or b"")
+
+
+def _mkl_library_paths():
+    """Where ``libmkl_rt`` may be: the environment's ``lib`` (the ``mkl`` wheel puts it
+    there), then the loader's own search."""
+    names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so", "libmkl_rt.dylib",
+             "mkl_rt.2.dll", "mkl_rt.dll")
+    roots = {Path(sys.prefix) / "lib", Path(sys.prefix) / "Library" / "bin",
+             Path(sys.base_prefix) / "lib"}
+    paths = [str(root / name) for root in roots for name in names if (root / name).exists()]
+    found = ctypes.util.find_library("mkl_rt")
+    return paths + ([found] if found else [])
+
+
+def _mkl():
+    """Intel MKL, sequential and reproducible, or None (not installed, or already set up
+    otherwise by another library in this process)."""
+    for path in _mkl_library_paths():
+        try:
+            handle = ctypes.CDLL(path)
+            sgemm, dgemm = handle.cblas_sgemm, handle.cblas_dgemm
+            setters = (handle.MKL_Set_Interface_Layer, handle.MKL_Set_Threading_Layer,
+                       handle.MKL_CBWR_Set)
+        except (OSError, AttributeError):
+            continue
+        for fn in setters:
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+        # each returns the layer in force: another, when MKL was already in use here
+        if (setters[0](_MKL_INTERFACE_LP64) != _MKL_INTERFACE_LP64
+                or setters[1](_MKL_THREADING_SEQUENTIAL) != _MKL_THREADING_SEQUENTIAL):
+            continue
+        if setters[2](_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) != _MKL_CBWR_SUCCESS:
+            continue
+        return Cblas("mkl", handle, sgemm, dgemm, ctypes.c_int, f"mkl {_mkl_version(handle)}")
+    return None
+
+
+def _mkl_version(handle):
+    try:
+        fn = handle.mkl_get_version_string
+    except AttributeError:
+        return "unknown"
+    buffer = ctypes.create_string_buffer(256)
+    fn.restype, fn.argtypes = None, [ctypes.c_char_p, ctypes.c_int]
+    fn(buffer, len(buffer))
+    text = buffer.value.decode(errors="replace")
+    found = re.search(r"Version (\S+)", text)       # "... Library Version 2026.2-Product ..."
+    return found.group(1).split("-")[0] if found else text.strip()
+
+
+_LOADERS = {"openblas": _numpy_openblas, "mkl": _mkl}
+_loaded: dict = {}
+_lock = threading.Lock()
+_choice: list = []        # [Cblas or None] once chosen
+
+
+def available(name):
+    """The library ``name`` (``"openblas"`` or ``"mkl"``) loaded for CBLAS, or None where
+    this machine does not have it. Loaded once per process."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _LOADERS[name]()
+        return _loaded[name]
+
+
+def chosen():
+    """The library the products go to (a :class:`Cblas`), or None for NumPy's ``@``: by
+    ``$CUONLINE_CPU_BLAS``, else measured once per machine (see the module docstring)."""
+    if _choice:
+        return _choice[0]
+    wanted = _environment.cpu_blas()
+    if wanted == "numpy":
+        blas = None
+    elif wanted != "auto":
+        blas = available(wanted)
+        if blas is None:
+            raise ValueError(
+                f"environment variable CUONLINE_CPU_BLAS={wanted!r}: {wanted} is not "
+                "available in this process"
+                + (" (pip install cuonline[mkl], or mkl from conda)" if wanted == "mkl" else
+                   " (NumPy here is not built on OpenBLAS)"))
+    else:
+        blas = _measured_choice()
+    with _lock:
+        if not _choice:
+            _choice.append(blas)
+        return _choice[0]
+
+
+def reset():
+    """Forget the choice (tests: the next product reads ``$CUONLINE_CPU_BLAS`` again)."""
+    with _lock:
+        _choice.clear()
+
+
+def describe():
+    """One line for the benchmarks' preamble: the chosen library and how it was chosen."""
+    blas = chosen()
+    how = _environment.cpu_blas()
+    how = "measured on this machine" if how == "auto" else f"CUONLINE_CPU_BLAS={how}"
+    if blas is None:
+        return f"products: numpy's matmul ({how})"
+    return f"products: {blas.version} by CBLAS, {blas.path} ({how})"
+
+
+# --------------------------------------------------------------------------------------------
+# the measured choice
+
+
+def _measured_choice():
+    candidates = [b for b in (available("openblas"), available("mkl")) if b is not None]
+    if len(candidates) < 2:
+        return candidates[0] if candidates else None
+    from .cpu_runtime import cache_sizes, cpu_model  # noqa: PLC0415
+
+    # a KVM guest may report a vague model name: its L2 tells more machines apart
+    key = {"cpu": cpu_model(), "L2": cache_sizes()["L2"],
+           "libraries": sorted(b.version for b in candidates)}
+    path = _environment.cache_dir("cpu") / "blas.json"
+    stored = _read_choice(path, key)
+    if stored is not None:
+        return next((b for b in candidates if b.name == stored), None)
+    times = {b.name: _seconds(b) for b in candidates}
+    best = "mkl" if times["mkl"] * _MARGIN < times["openblas"] else "openblas"
+    _store_choice(path, {**key, "choice": best, "seconds": times})
+    return next(b for b in candidates if b.name == best)
+
+
+def _seconds(blas):
+    """CPU time of the calling thread for the forward tile's two products (float32, the
+    machine's tile, D = 64) on ``blas``, best of three rounds; BLAS held to one thread."""
+    from .cpu_runtime import cache_sizes, score_tile, single_threaded_blas  # noqa: PLC0415
+
+    rows, keys = score_tile(cache_sizes()["L2"], 4, live_tiles=1)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((rows, 64), dtype=np.float32)
+    k = rng.standard_normal((keys, 64), dtype=np.float32)
+    s = np.empty((rows, keys), dtype=np.float32)
+    o = np.zeros((rows, 64), dtype=np.float32)
+    best = float("inf")
+    with single_threaded_blas():
+        for _ in range(4):                       # the first round warms the library up
+            start = time.thread_time()
+            for _ in range(3):
+                blas.gemm(q, k.T, s, False)
+                blas.gemm(s, k, o, True)
+            best = min(best, time.thread_time() - start)
+    return best
+
+
+def _read_choice(path, key):
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or any(doc.get(k) != v for k, v in key.items()):
+        return None
+    return doc.get("choice") if doc.get("choice") in _LOADERS else None
+
+
+def _store_choice(path, doc):
+    """Write the choice for later processes; a cache that cannot be written is skipped with
+    a warning (this process keeps its choice)."""
+    from .tuning_files import write_json_atomically  # noqa: PLC0415
+
+    try:
+        write_json_atomically(path, doc)
+    except OSError as exc:
+        warnings.warn(f"cuonline: could not store the CPU BLAS choice in {path}: {exc}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _after_fork():
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
