@@ -47,7 +47,7 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert "pip install . && python -m cuonline demo" in readme
     assert "python -m pytest" in ci and ".[test" in ci
     # what CI installs is what the README says it installs
-    assert '".[test,cuda13]"' in readme and '".[test,cuda13]"' in ci
+    assert '".[test,cuda13,mkl]"' in readme and '".[test,cuda13,mkl]"' in ci
     assert "nvidia-cuda-nvrtc-cu12" in readme and "nvidia-cuda-nvrtc-cu12" in ci
     assert 'pip install ".[docs]" && python -m sphinx -W -b html docs docs/_build/html' in readme
     assert '".[docs]"' in ci and "python -m sphinx -W -q -b html docs docs/_build/html" in ci

@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import _environment
+from .._cache_files import write_json_atomically
+from .cpu_runtime import cache_sizes, cpu_model, score_tile, single_threaded_blas
 
 __all__ = ["chosen", "product", "available", "describe", "reset"]
 
@@ -298,8 +300,6 @@ def _measured_choice():
     candidates = [b for b in (available("openblas"), available("mkl")) if b is not None]
     if len(candidates) < 2:
         return candidates[0] if candidates else None
-    from .cpu_runtime import cache_sizes, cpu_model  # noqa: PLC0415
-
     # a KVM guest may report a vague model name: its L2 tells more machines apart
     key = {"cpu": cpu_model(), "L2": cache_sizes()["L2"],
            "libraries": sorted(b.version for b in candidates)}
@@ -316,8 +316,6 @@ def _measured_choice():
 def _seconds(blas):
     """CPU time of the calling thread for the forward tile's two products (float32, the
     machine's tile, D = 64) on ``blas``, best of three rounds; BLAS held to one thread."""
-    from .cpu_runtime import cache_sizes, score_tile, single_threaded_blas  # noqa: PLC0415
-
     rows, keys = score_tile(cache_sizes()["L2"], 4, live_tiles=1)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((rows, 64), dtype=np.float32)
@@ -348,8 +346,6 @@ def _read_choice(path, key):
 def _store_choice(path, doc):
     """Write the choice for later processes; a cache that cannot be written is skipped with
     a warning (this process keeps its choice)."""
-    from .tuning_files import write_json_atomically  # noqa: PLC0415
-
     try:
         write_json_atomically(path, doc)
     except OSError as exc:

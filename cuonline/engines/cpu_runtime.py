@@ -348,10 +348,8 @@ def machine():
     "cores": count, "numba": target CPU and its widest vector instruction sets, "blas": library,
     version and kernel architecture per BLAS, "caches": cache_sizes()}``. Imports numba and
     threadpoolctl (benchmarks only; the engines never call this)."""
-    from .cpu_blas import describe
-
     return {"cpu": cpu_model(), "cores": workers(), "numba": _numba_target(),
-            "blas": _blas_kernels(), "products": describe(), "caches": cache_sizes()}
+            "blas": _blas_kernels(), "caches": cache_sizes()}
 
 
 def cpu_model():

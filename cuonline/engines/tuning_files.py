@@ -13,18 +13,17 @@ document's content rules (what a valid entry is, how documents merge) are pure a
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 from .. import _environment
+from .._cache_files import write_json_atomically
 from ..kernels import tuning
 
 __all__ = ["clear_cache", "current_device_winners", "device_identity", "load_winners", "store",
-           "tuning_dir", "tuning_path", "cuonline_version", "write_json_atomically"]
+           "tuning_dir", "tuning_path", "cuonline_version"]
 
 
 def cuonline_version() -> str:
@@ -83,24 +82,6 @@ def store(doc, path=None) -> Path:
     write_json_atomically(path, tuning.merge_documents(old, doc))
     clear_cache()
     return path
-
-
-def write_json_atomically(path, doc) -> None:
-    """Write ``doc`` as JSON to ``path`` (its folder created) through a temporary file and
-    ``os.replace``: a reader sees the old file or the new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 _cache: dict = {}
