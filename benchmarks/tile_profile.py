@@ -7,14 +7,17 @@ One thread, CPU time, on the tile shape the NumPy engine takes from this machine
 (``cuonline.engines.numpy.blocks``): rows x keys queries against keys, head size D. For each
 case it times the three steps of a forward tile of ``cuonline.engines.numpy``:
 
-* ``q kᵀ``: the score product (rows x D times D x keys), with NumPy's BLAS, as the engine does;
+* ``q kᵀ``: the score product (rows x D times D x keys), on the library the engine's products
+  take here (``cuonline.engines.cpu_blas``: NumPy's OpenBLAS or MKL; the preamble says which),
+  as the engine does;
 * ``softmax``: the compiled online-softmax tile kernel
   (``cuonline.engines.cpu_runtime.tile_kernel``) on those scores;
-* ``P v``: the value product (rows x keys times keys x D), with NumPy's BLAS;
+* ``P v``: the value product (rows x keys times keys x D), added into the output in place as
+  the engine does;
 
 and beside each product the same product through torch's CPU ``matmul`` (on x86 builds of
 torch, Intel MKL; the column says which BLAS torch was built with). The last columns give the
-tile at NumPy's and at torch's product speeds: what the engine would reach per core with the
+tile at the engine's and at torch's product speeds: what the engine would reach per core with the
 other library's products and its own softmax kernel. This is the profile behind issue 23's
 finding on the 2-core Intel machine of docs/performance.md (machine C).
 """
@@ -28,6 +31,7 @@ import numpy as np
 from bench_cpu import blas_ceiling, print_machine, use_one_core
 
 from cuonline.engines import numpy as forward
+from cuonline.engines.cpu_blas import product
 from cuonline.engines.cpu_runtime import tile_kernel
 
 
@@ -74,8 +78,8 @@ def main(argv=None):
     print_machine("One forward tile, one thread, CPU time", ceilings,
                   with_torch=other is not None)
     print(f"torch's products: {blas_name}" if other else "torch's products: not measured")
-    print("| dtype | tile | D | q kᵀ us | softmax us | P v us | numpy GFLOP/s "
-          "| torch q kᵀ us | torch P v us | tile GFLOP/s, numpy | with torch's products |")
+    print("| dtype | tile | D | q kᵀ us | softmax us | P v us | products GFLOP/s "
+          "| torch q kᵀ us | torch P v us | tile GFLOP/s | with torch's products |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for dtype in args.dtypes:
@@ -93,14 +97,14 @@ def main(argv=None):
             l = np.zeros(rows, dtype)
             lo, hi = np.zeros(rows, np.int64), np.full(rows, keys, np.int64)
             repeat = 3 if args.quick else max(5, int(2e8 / (rows * keys * d)))
-            qk = seconds(lambda: np.matmul(q, k.T, out=s), repeat)
+            qk = seconds(lambda: product(q, k.T, s), repeat)
             soft = float("nan")
             if kernel is not None:
                 def sweep():
                     np.copyto(s, scores)        # the kernel overwrites its scores
                     kernel(s, m, l, o, lo, hi)
                 soft = seconds(sweep, repeat) - seconds(lambda: np.copyto(s, scores), repeat)
-            pv = seconds(lambda: np.matmul(scores, v, out=o), repeat)
+            pv = seconds(lambda: product(scores, v, o, add=True), repeat)
             flops = 2 * rows * keys * d
             cells = [f"{qk * 1e6:.0f}", f"{soft * 1e6:.0f}", f"{pv * 1e6:.0f}",
                      f"{2 * flops / (qk + pv) / 1e9:.0f}"]
