@@ -52,6 +52,31 @@ def test_exp_accurate_to_one_ulp(dtype, low, max_ulps):
     assert ulps(got, np.exp(x).astype(wide), dtype).max() <= 2
 
 
+def test_exp_float32_over_every_binade():
+    """Every 256th float32 in [-104, 0] by bit pattern: each binade, from subnormal inputs
+    (where the result is 1 or just below) to the subnormal results, against the float64
+    exponential (exact to far below a float32 ulp)."""
+    bits = np.arange(0, np.float32(104).view(np.int32) + 1, 256, dtype=np.int32)
+    x = -bits.view(np.float32)
+    assert ulps(exp_of(x), np.exp(x.astype(np.float64)), np.float32).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_polynomial_truncation_is_far_below_an_ulp(dtype):
+    """The polynomial for e^r, with its coefficients rounded to the dtype and evaluated in a
+    wider type, over the whole reduced range |r| <= ln2 / 2: its error leaves the roundings of
+    the evaluation almost all of the 1-ulp budget (one degree less fails this)."""
+    wide = np.float64 if dtype == np.float32 else np.longdouble
+    if np.finfo(wide).nmant <= np.finfo(dtype).nmant:
+        pytest.skip("no wider float than float64 here to evaluate in")
+    coefficients = tk._POLY32 if dtype == np.float32 else tk._POLY64
+    r = np.linspace(-0.3466, 0.3466, 100_001).astype(wide)
+    p = np.zeros_like(r)
+    for c in coefficients:                              # highest degree first
+        p = p * r + wide(dtype(c))
+    assert (np.abs(p / np.exp(r) - 1) < np.finfo(dtype).eps / 16).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_special_values(dtype):
     x = np.array([-np.inf, np.nan, 0.0, -0.0, -1e30, -800.0, -np.finfo(dtype).max], dtype)
