@@ -144,19 +144,22 @@ def exp_nonpositive(x):
 def _exp_impl(ft, low, ln2_hi, ln2_lo, coefficients, bias, mantissa):
     low, log2e = ft(low), ft(1.4426950408889634)
     neg_hi, neg_lo = ft(-ln2_hi), ft(-ln2_lo)
-    # e^r comes out scaled by 2^-64 (every coefficient is: exact, and no step is subnormal), so
-    # that 2^(n + 64) is a normal number for every n down to the smallest subnormal result
+    # e^r comes out scaled by 2^-64 (each coefficient is scaled: exact, and no step of the
+    # evaluation is subnormal), so that 2^(n + 64) is normal for every n down to the smallest
+    # subnormal result
     c = tuple(ft(x * 2.0 ** -64) for x in coefficients)     # highest degree first
-    # 1.5 2^mantissa has unit spacing: adding it rounds x log2e to the integer n and leaves
-    # n + bias + 64 (in [1, 2 bias]) in the significand's low bits, the exponent field of
-    # 2^(n + 64) once shifted up
+    # floats near 1.5 2^mantissa are the integers: adding it rounds x log2e to the integer n and
+    # leaves n + bias + 64 (in [1, 2 bias]) in the significand's low bits: the exponent field
+    # of 2^(n + 64), once shifted up
     magic = ft(1.5 * 2.0 ** mantissa + bias + 64)
 
     def impl(x):
         # below `low` the result rounds to 0 (and -inf lands here); NaN fails the test and stays
         x = low if x < low else x
         z = _fma(x, log2e, magic)
-        t = _fence(z) - magic                       # n, exactly
+        # n, exactly; reassociation has no rule that rewrites this (tested), and an arithmetic
+        # fence on z kept LLVM from vectorizing the loop
+        t = z - magic
         r = _fma(t, neg_hi, x)                      # x - n ln2, n ln2_hi exact
         r = _fma(t, neg_lo, r)
         # one product: exact where the result is normal, rounded once where it is subnormal.
