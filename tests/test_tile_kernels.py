@@ -52,6 +52,31 @@ def test_exp_accurate_to_one_ulp(dtype, low, max_ulps):
     assert ulps(got, np.exp(x).astype(wide), dtype).max() <= 2
 
 
+def test_exp_float32_over_every_binade():
+    """Every 256th float32 in [-104, 0] by bit pattern: each binade, from subnormal inputs
+    (where the result is 1 or just below) to the subnormal results, against the float64
+    exponential (exact to far below a float32 ulp)."""
+    bits = np.arange(0, np.float32(104).view(np.int32) + 1, 256, dtype=np.int32)
+    x = -bits.view(np.float32)
+    assert ulps(exp_of(x), np.exp(x.astype(np.float64)), np.float32).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_polynomial_truncation_is_far_below_an_ulp(dtype):
+    """The polynomial for e^r, with its coefficients rounded to the dtype and evaluated in a
+    wider type, over the whole reduced range |r| <= ln2 / 2: its error leaves the roundings of
+    the evaluation almost all of the 1-ulp budget (one degree less fails this)."""
+    wide = np.float64 if dtype == np.float32 else np.longdouble
+    if np.finfo(wide).nmant <= np.finfo(dtype).nmant:
+        pytest.skip("no wider float than float64 here to evaluate in")
+    coefficients = tk._POLY32 if dtype == np.float32 else tk._POLY64
+    r = np.linspace(-0.3466, 0.3466, 100_001).astype(wide)
+    p = np.zeros_like(r)
+    for c in coefficients:                              # highest degree first
+        p = p * r + wide(dtype(c))
+    assert (np.abs(p / np.exp(r) - 1) < np.finfo(dtype).eps / 16).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_special_values(dtype):
     x = np.array([-np.inf, np.nan, 0.0, -0.0, -1e30, -800.0, -np.finfo(dtype).max], dtype)
@@ -542,13 +567,15 @@ def test_kernels_use_the_full_vector_width(tmp_path):
     """On an AVX-512 CPU the kernels' loops run on 512-bit registers, not on the 256 bits LLVM
     prefers for Intel cores (1.5x on the forward tile, docs/performance.md): the assembly numba
     makes for them uses zmm registers. Compiled afresh in a subprocess (numba shows no assembly
-    of code loaded from its cache)."""
+    of code loaded from its cache). The count is of the exponential's shift of n into the
+    exponent field (``vpslld``) on zmm registers: the exp loop itself is vectorized at full
+    width, not only the max (an arithmetic fence in the exponential once left it scalar)."""
     code = ("import numpy as np\n"
             "from cuonline.engines import cpu_runtime\n"
             "for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows'):\n"
             "    kernel = cpu_runtime.tile_kernel(np.float32, name)\n"
-            "    asm = ''.join(kernel.inspect_asm().values())\n"
-            "    print(name, asm.count('%zmm'))\n")
+            "    asm = ''.join(kernel.inspect_asm().values()).splitlines()\n"
+            "    print(name, sum('vpslld' in x and '%zmm' in x for x in asm))\n")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
                          capture_output=True, text=True)
