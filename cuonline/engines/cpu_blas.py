@@ -125,9 +125,21 @@ def product(a, b, out=None, *, add=False):
 
     ``out``: an (m, n) array to write the product into, or (``add=True``) to add it to, in
     one pass (no temporary); returned. Without ``out`` a new C-ordered array of the operands'
-    dtype is returned. 3-d operands are a stack of products (one call per element).
+    dtype is returned. 3-d operands are a stack of products (one call per element, or NumPy's
+    batched matmul where the library is NumPy's own).
     """
     if a.ndim == 3:
+        blas = chosen()
+        if blas is None or blas.name == "openblas":
+            # NumPy's batched matmul calls the same OpenBLAS per element, without a Python
+            # call each (which costs as much as a 128 x 64 x 128 product)
+            if out is None:
+                return np.matmul(a, b)
+            if add:
+                out += np.matmul(a, b)
+            else:
+                np.matmul(a, b, out=out)
+            return out
         if out is None:
             out = np.empty((a.shape[0], a.shape[1], b.shape[-1]),
                            dtype=np.result_type(a, b))
@@ -158,9 +170,11 @@ def _numpy_openblas():
         from threadpoolctl import threadpool_info  # noqa: PLC0415
     except ImportError:
         return None
-    for info in threadpool_info():
-        if info.get("internal_api") != "openblas" or not info.get("filepath"):
-            continue
+    found = [info for info in threadpool_info()
+             if info.get("internal_api") == "openblas" and info.get("filepath")]
+    # NumPy's own copy first: SciPy (numba loads it) may bring another, of another version
+    found.sort(key=lambda info: not _is_numpys(info["filepath"]))
+    for info in found:
         try:
             handle = ctypes.CDLL(info["filepath"])
         except OSError:
@@ -177,6 +191,13 @@ def _numpy_openblas():
                          ctypes.c_int64 if wide else ctypes.c_int,
                          f"openblas {info.get('version')}")
     return None
+
+
+def _is_numpys(path):
+    """True for a library of NumPy's wheel: in ``numpy.libs`` (Linux, Windows) or in NumPy's
+    own folder (``numpy/.dylibs`` on macOS)."""
+    path = Path(path).resolve()
+    return path.parent.name == "numpy.libs" or Path(np.__file__).resolve().parent in path.parents
 
 
 def _openblas_is_ilp64(handle, prefix, suffix):
