@@ -126,6 +126,16 @@ def test_non_finite_operands_propagate_as_in_numpy(library):
     assert np.isnan(out[0, 0]) and (out.ravel()[1:] == 3).all()
 
 
+def test_sizes_beyond_the_librarys_integers_take_numpys_path(library, monkeypatch, rng):
+    blas = cpu_blas.chosen()
+    if blas is None:
+        pytest.skip("NumPy's matmul: no integer width of its own")
+    monkeypatch.setattr(blas, "_int_max", 30)          # as if 37 rows overflowed its ints
+    a, b = _operands(rng, np.float64)
+    np.testing.assert_allclose(cpu_blas.product(a, b), _exact(a, b), rtol=1e-12, atol=1e-12)
+    assert blas.gemm(a, b, np.empty((37, 23)), False) is False
+
+
 def test_add_without_an_output_is_refused(library, rng):
     with pytest.raises(ValueError, match="out="):
         cpu_blas.product(*_operands(rng, np.float32), add=True)

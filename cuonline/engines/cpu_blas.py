@@ -72,6 +72,8 @@ class Cblas:
         self.name, self.version = name, version
         self._handle = handle                    # keeps the library loaded
         self.path = getattr(handle, "_name", "")
+        # the largest size or leading dimension the library's integers hold
+        self._int_max = 2 ** (8 * ctypes.sizeof(int_type) - 1) - 1
         self._gemm = {}
         for dtype, fn, real in ((np.float32, sgemm, ctypes.c_float),
                                 (np.float64, dgemm, ctypes.c_double)):
@@ -93,6 +95,8 @@ class Cblas:
             return False
         ta, tb, oc = _layout(a), _layout(b), _layout(out)
         if ta is None or tb is None or oc is None or oc[0] != _NO_TRANS:
+            return False
+        if max(m, n, k, ta[1], tb[1], oc[1]) > self._int_max:
             return False
         if np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return False
