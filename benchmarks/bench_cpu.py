@@ -93,7 +93,7 @@ def print_machine(title, ceilings, with_torch):
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{title}; CPU {info['cpu']}, {info['cores']} cores; load average {load}")
     print("BLAS: " + info["blas"])
-    print("cuonline's " + cpu_blas.describe())
+    print("cuonline's products: " + cpu_blas.describe())
     cores = "one core" if CLOCK is time.process_time else "all cores"
     print(f"BLAS ceiling (2048^3 matmul, {cores}, the fastest library): "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s (" + ", ".join(

@@ -189,9 +189,11 @@ def run_info(args) -> int:
         "numpy": np.__version__,
         "scipy": scipy.__version__,
     }
-    # what decides the NumPy engine's speed: the compiled softmax kernels, and BLAS
+    # what decides the NumPy engine's speed: the compiled softmax kernels, BLAS, and the
+    # library its products take
     lines["numba"] = _numba_status()
     lines.update(_blas_lines())
+    lines["products"] = _products_line()
     # the optional libraries, each of the extra that brings it
     for name in ("cupy", "dask", "distributed", "zarr", "ml_dtypes"):
         lines[name] = _version_of(name)
@@ -245,6 +247,16 @@ def _blas_lines():
     if not libraries:
         return {"blas": "none found by threadpoolctl"}
     return {"blas" if n == 0 else f"blas {n + 1}": line for n, line in enumerate(libraries)}
+
+
+def _products_line():
+    """The library the NumPy engine's matrix products run on, or why it cannot say."""
+    from .engines import cpu_blas
+
+    try:
+        return cpu_blas.describe()
+    except ValueError as exc:               # a bad CUONLINE_CPU_BLAS: said, not raised
+        return f"unknown: {exc}"
 
 
 def _emulation_status():

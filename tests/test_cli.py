@@ -99,11 +99,19 @@ def test_info_says_what_decides_cpu_speed():
         if lib["user_api"] == "blas" and lib.get("architecture"):
             assert any(v.startswith(f"{lib['internal_api']} {lib['version']} "
                                     f"({lib['architecture']} kernels, ") for v in blas), blas
+    # the library the engine's products take, and how it was chosen
+    assert lines["products"].endswith("(measured on this machine)"), lines["products"]
     for module in ("dask", "distributed", "zarr", "ml_dtypes"):
         if importlib.util.find_spec(module) is None:
             assert lines[module] == "not installed"
         else:
             assert lines[module] == importlib.import_module(module).__version__
+
+
+@pytest.mark.slow   # a second `info` process; the fast tier runs one
+def test_info_says_a_bad_cpu_blas_variable_and_goes_on():
+    line = _info_lines(CUONLINE_CPU_BLAS="fastest")["products"]
+    assert line.startswith("unknown: environment variable CUONLINE_CPU_BLAS='fastest'"), line
 
 
 @pytest.mark.slow   # a second `info` process; the fast tier runs one

@@ -246,4 +246,4 @@ def test_a_library_asked_for_but_missing_is_refused(fresh_choice, monkeypatch, r
 def test_numpy_named_takes_numpys_matmul(fresh_choice, monkeypatch):
     monkeypatch.setenv("CUONLINE_CPU_BLAS", "numpy")
     assert cpu_blas.chosen() is None
-    assert "numpy's matmul" in cpu_blas.describe()
+    assert cpu_blas.describe() == "numpy's matmul (CUONLINE_CPU_BLAS=numpy)"

@@ -308,13 +308,14 @@ def reset():
 
 
 def describe():
-    """One line for the benchmarks' preamble: the chosen library and how it was chosen."""
+    """The chosen library and how it was chosen, in one line (``python -m cuonline info``,
+    the benchmarks' preamble)."""
     blas = chosen()
     how = _environment.cpu_blas()
     how = "measured on this machine" if how == "auto" else f"CUONLINE_CPU_BLAS={how}"
     if blas is None:
-        return f"products: numpy's matmul ({how})"
-    return f"products: {blas.version} by CBLAS, {blas.path} ({how})"
+        return f"numpy's matmul ({how})"
+    return f"{blas.version} by CBLAS, {blas.path} ({how})"
 
 
 # --------------------------------------------------------------------------------------------
