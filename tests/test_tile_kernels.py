@@ -5,6 +5,7 @@ whole tile update and the softmax rows against the engines' ufunc passes, and th
 of them (and their fallback where numba is missing or a kernel does not compile).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -307,6 +308,20 @@ def test_softmax_rows_match_the_ufunc_passes(name, dtype, rng, monkeypatch):
         assert (got[0, 0] == -np.inf).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_log_softmax_rows_subtract_the_max_first(dtype, rng):
+    """log_softmax is (x - m) - log(total), not x - (m + log(total)): with every x - m exact
+    (x on a grid of 1/8 below m = 2^20), adding m to a row changes nothing, bit for bit, where
+    m + log(total) would round at the magnitude of m (an ulp of 1/8 in float32)."""
+    kernel = cpu_runtime.tile_kernel(dtype, "softmax_rows")
+    d = -rng.integers(0, 200, (5, 300)).astype(dtype) / 8
+    d[:, 0] = 0                                         # row max 0 here, 2^20 below
+    got, want = np.empty_like(d), np.empty_like(d)
+    kernel(d + dtype(2.0 ** 20), got, 1)
+    kernel(d, want, 1)
+    np.testing.assert_array_equal(got, want)
+
+
 # --------------------------------------------------------------------------------------------
 # tile shapes from the machine's caches
 
@@ -561,24 +576,57 @@ def test_benchmark_preamble_prints_the_machine(monkeypatch, capsys):
 
 
 
+# For each kernel and dtype, each compiled function's {mnemonic: number of basic blocks that
+# run it on zmm registers}, for the mnemonics that mark one loop each: the exponential's shift
+# of n into the exponent field (vpslld), the row max (vmaxp), softmax's division (vdivp) and
+# log_softmax's two subtractions (vsubp: in _softmax_rows itself, since _exp_sum is a separate
+# function). Printed as JSON by a fresh process: numba shows no assembly of cached code.
+_ZMM_BLOCKS = r"""
+import json, re, sys
+import numpy as np
+from cuonline.engines import cpu_runtime
+counts = {}
+for dtype in (np.float32, np.float64):
+    for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows'):
+        asm = ''.join(cpu_runtime.tile_kernel(dtype, name).inspect_asm().values())
+        functions = counts.setdefault(f'{name} {np.dtype(dtype).name}', {})
+        function = block = None
+        for line in asm.splitlines():
+            label = re.match(r'(\S+):', line)
+            if label and not label[1].startswith('.'):
+                # numba's mangled names: _ZN8cuonline7engines13_tile_kernels13_softmax_rowsB...
+                named = re.search(r'^_ZN8cuonline.*?_tile_kernels(\d+)', label[1])
+                function = (label[1][named.end():named.end() + int(named[1])] if named
+                            else None)
+            if label:
+                block = label[1]
+            ops = re.match(r'\s+(vpslld|vmaxp|vdivp|vsubp)', line)
+            if function and ops and '%zmm' in line:
+                seen = functions.setdefault(function, {}).setdefault(ops[1], [])
+                seen.append(block) if block not in seen else None
+json.dump({k: {f: {op: len(b) for op, b in ops.items()} for f, ops in fs.items()}
+           for k, fs in counts.items()}, sys.stdout)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(tk._VECTOR_BITS is None, reason="numba compiles for a CPU without AVX-512")
 def test_kernels_use_the_full_vector_width(tmp_path):
     """On an AVX-512 CPU the kernels' loops run on 512-bit registers, not on the 256 bits LLVM
-    prefers for Intel cores (1.5x on the forward tile, docs/performance.md): the assembly numba
-    makes for them uses zmm registers. Compiled afresh in a subprocess (numba shows no assembly
-    of code loaded from its cache). The count is of the exponential's shift of n into the
-    exponent field (``vpslld``) on zmm registers: the exp loop itself is vectorized at full
-    width, not only the max (an arithmetic fence in the exponential once left it scalar)."""
-    code = ("import numpy as np\n"
-            "from cuonline.engines import cpu_runtime\n"
-            "for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows'):\n"
-            "    kernel = cpu_runtime.tile_kernel(np.float32, name)\n"
-            "    asm = ''.join(kernel.inspect_asm().values()).splitlines()\n"
-            "    print(name, sum('vpslld' in x and '%zmm' in x for x in asm))\n")
+    prefers for Intel cores (1.5x on the forward tile, docs/performance.md), and not scalar:
+    each loop's own arithmetic is on zmm registers in the assembly numba makes. An arithmetic
+    fence once left the exponential's loop scalar, and another the log_softmax loop."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
-                         capture_output=True, text=True)
-    counts = dict(line.split() for line in run.stdout.splitlines())
-    assert set(counts) == {"online_softmax_tile", "backward_tile", "softmax_rows"}
-    assert all(int(n) > 0 for n in counts.values()), counts
+    run = subprocess.run([sys.executable, "-c", _ZMM_BLOCKS], env=env, check=True,
+                         timeout=300, capture_output=True, text=True)
+    counts = json.loads(run.stdout)
+    for dtype in ("float32", "float64"):
+        for name in ("online_softmax_tile", "backward_tile"):
+            found = counts[f"{name} {dtype}"]
+            assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
+        rows = counts[f"softmax_rows {dtype}"]
+        assert rows["_softmax_rows"].get("vmaxp"), rows            # row max: every mode
+        assert rows["_softmax_rows"].get("vdivp"), rows            # softmax: x / total
+        assert rows["_softmax_rows"].get("vsubp"), rows            # log_softmax
+        # _exp_sum's two loops: exp written out (softmax), exp summed only (the other two)
+        assert rows["_exp_sum"].get("vpslld", 0) >= 2, rows

@@ -20,7 +20,9 @@ stays NaN.
 Fast-math flags: ``reassoc`` lets the row sum vectorize (the order of a sum is not part of the
 contract; NumPy's pairwise sum has its own) and ``contract`` allows FMAs, but neither ``nnan``
 nor ``ninf``: NaN and ``-inf`` are values this code must get right, nor ``arcp``: a division
-stays a division. Where an expression's order matters, ``llvm.arithmetic.fence`` holds it.
+stays a division. Where an expression's order matters, the function that holds it is compiled
+without ``reassoc`` (numba keeps a callee's own flags; LLVM does not vectorize a loop that
+holds ``llvm.arithmetic.fence``).
 The range reduction and the polynomial use explicit ``llvm.fma`` calls, which reassociation
 cannot rewrite, and the max uses ``llvm.maximum``, which propagates NaN as ``np.maximum`` does
 and still vectorizes.
@@ -70,12 +72,6 @@ def _fma(typingctx, a, b, c):
 @intrinsic
 def _maximum(typingctx, a, b):
     return _llvm_call("llvm.maximum", 2)(typingctx, a, b)
-
-
-@intrinsic
-def _fence(typingctx, a):
-    """``a``, computed as written: no reassociation across it (``llvm.arithmetic.fence``)."""
-    return _llvm_call("llvm.arithmetic.fence", 1)(typingctx, a)
 
 
 @intrinsic
@@ -388,13 +384,14 @@ def _divide(row, scale):
         row[j] = row[j] / scale
 
 
-@numba.njit(fastmath=_FLAGS)
+# no reassoc: (x - m) - log(total) in that order, never x - (m + log(total)), which rounds at
+# the magnitude of m. Set here since numba gives a callee its caller's flags only where it sets
+# none; an arithmetic fence held the order too but left the loop scalar
+@numba.njit(fastmath=_FLAGS - {"reassoc"})
 def _shift_twice(row, shift, log_total, out):
     _full_vector_width()
-    # numba compiles a callee with its caller's flags, so the fence keeps reassociation from
-    # turning (x - m) - log(total) into x - (m + log(total)), which rounds at the magnitude of m
     for j in range(row.shape[0]):
-        out[j] = _fence(row[j] - shift) - log_total
+        out[j] = (row[j] - shift) - log_total
 
 
 def _softmax_rows(x, out, mode):
