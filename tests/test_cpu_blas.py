@@ -111,6 +111,23 @@ def test_special_cases_take_numpys_path_and_stay_right(library, rng):
     np.testing.assert_allclose(got, stack.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stacks_of_products_match_the_exact_products(library, rng, dtype):
+    a = rng.standard_normal((6, 37, 19)).astype(dtype)
+    keys = rng.standard_normal((6, 23, 19)).astype(dtype)
+    tolerance = 8 * 19 * np.finfo(dtype).eps * 50
+    for lhs, rhs in [(a, keys.transpose(0, 2, 1)),                   # kᵀ views, as the engine
+                     (a[::2], np.ascontiguousarray(keys.transpose(0, 2, 1))[1::2]),
+                     (np.asfortranarray(a), keys.transpose(0, 2, 1)[:, :, 3:20])]:
+        exact = np.einsum("gmk,gkn->gmn", lhs.astype(np.float64), rhs.astype(np.float64))
+        got = cpu_blas.product(lhs, rhs)
+        assert got.shape == exact.shape and got.dtype == dtype
+        np.testing.assert_allclose(got, exact, rtol=0, atol=tolerance)
+        out = np.ones(exact.shape, dtype=dtype)
+        cpu_blas.product(lhs, rhs, out, add=True)
+        np.testing.assert_allclose(out, exact + 1, rtol=0, atol=tolerance)
+
+
 def test_non_finite_operands_propagate_as_in_numpy(library):
     a = np.ones((4, 3), dtype=np.float32)
     b = np.ones((3, 5), dtype=np.float32)

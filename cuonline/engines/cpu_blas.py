@@ -82,6 +82,18 @@ class Cblas:
                            int_type, real, ctypes.c_void_p, int_type, ctypes.c_void_p,
                            int_type, real, ctypes.c_void_p, int_type]
             self._gemm[np.dtype(dtype)] = fn
+        # cblas_?gemm_batch_strided (MKL): a stack of products in one call
+        self._batch = {}
+        for dtype, symbol, real in ((np.float32, "cblas_sgemm_batch_strided", ctypes.c_float),
+                                    (np.float64, "cblas_dgemm_batch_strided", ctypes.c_double)):
+            fn = getattr(handle, symbol, None) if name == "mkl" else None
+            if fn is not None:
+                fn.restype = None
+                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, int_type, int_type,
+                               int_type, real, ctypes.c_void_p, int_type, int_type,
+                               ctypes.c_void_p, int_type, int_type, real, ctypes.c_void_p,
+                               int_type, int_type, int_type]
+                self._batch[np.dtype(dtype)] = fn
 
     def gemm(self, a, b, out, add):
         """``out = a @ b`` (``add``: ``out += a @ b``) when CBLAS can take the operands as
@@ -102,6 +114,32 @@ class Cblas:
             return False
         fn(_ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, a.ctypes.data, ta[1], b.ctypes.data,
            tb[1], 1.0 if add else 0.0, out.ctypes.data, oc[1])
+        return True
+
+
+    def gemm_stack(self, a, b, out, add):
+        """``out[i] = a[i] @ b[i]`` (``add``: ``+=``) of 3-d arrays in one call, where the
+        library has a strided batch and each array steps by whole elements between matrices;
+        False (nothing done) otherwise."""
+        fn = self._batch.get(out.dtype)
+        if fn is None or a.dtype != out.dtype or b.dtype != out.dtype or b.ndim != 3:
+            return False
+        g, m, k = a.shape
+        n = b.shape[2]
+        if g == 0 or m == 0 or n == 0 or k == 0 or not out.flags.writeable:
+            return False
+        layouts = [_layout(x[0]) for x in (a, b, out)]
+        strides = [x.strides[0] // x.itemsize for x in (a, b, out)]
+        if (any(x is None for x in layouts) or layouts[2][0] != _NO_TRANS
+                or any(x.strides[0] % x.itemsize or x.strides[0] < 0 for x in (a, b, out))
+                or any(x.shape[0] > 1 and x.strides[0] == 0 for x in (a, b, out))
+                or max(g, m, n, k, *strides, *(x[1] for x in layouts)) > self._int_max):
+            return False
+        if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            return False
+        (ta, lda), (tb, ldb), (_, ldc) = layouts
+        fn(_ROW_MAJOR, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, strides[0], b.ctypes.data,
+           ldb, strides[1], 1.0 if add else 0.0, out.ctypes.data, ldc, strides[2], g)
         return True
 
 
@@ -129,8 +167,8 @@ def product(a, b, out=None, *, add=False):
 
     ``out``: an (m, n) array to write the product into, or (``add=True``) to add it to, in
     one pass (no temporary); returned. Without ``out`` a new C-ordered array of the operands'
-    dtype is returned. 3-d operands are a stack of products (one call per element, or NumPy's
-    batched matmul where the library is NumPy's own).
+    dtype is returned. 3-d operands are a stack of products (MKL's strided batch in one call,
+    NumPy's batched matmul where the library is NumPy's own, else one call per element).
     """
     if a.ndim == 3:
         blas = chosen()
@@ -147,6 +185,8 @@ def product(a, b, out=None, *, add=False):
         if out is None:
             out = np.empty((a.shape[0], a.shape[1], b.shape[-1]),
                            dtype=np.result_type(a, b))
+        if blas.gemm_stack(a, b, out, add):
+            return out
         for i in range(a.shape[0]):
             product(a[i], b[i] if b.ndim == 3 else b, out[i], add=add)
         return out

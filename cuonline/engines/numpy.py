@@ -234,8 +234,11 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
 def _normalised(m, l, o, acc_t):
     """``(o / l, m + log(l))`` of online-softmax states (any leading shape; ``o`` divided in
     place): 0 and ``-inf`` for a row that sees no key, NaN for a row whose sum is NaN."""
+    seen = l > 0
+    if seen.all():                    # every row saw a key (and no sum is NaN): one pass
+        o /= l[..., None]
+        return o, (m + np.log(l)).astype(acc_t, copy=False)
     with np.errstate(divide="ignore", invalid="ignore"):
-        seen = l > 0
         np.divide(o, l[..., None], out=o, where=seen[..., None])
         o[~seen] = 0
         o[np.isnan(l)] = np.nan
