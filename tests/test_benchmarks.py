@@ -24,8 +24,10 @@ def test_cpu_benchmark_prints_side_by_side_figures(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     lines = result.stdout.splitlines()
-    assert lines[1].startswith("BLAS: ") and lines[2].startswith("BLAS ceiling")
-    assert "GFLOP/s" in lines[2]
+    assert lines[1].startswith("BLAS: ") and lines[2].startswith("cuonline's products: ")
+    assert lines[3].startswith("BLAS ceiling") and "GFLOP/s" in lines[3]
+    # the ceiling names each library it measured: NumPy's and the engine's at least
+    assert "(numpy " in lines[3] and ", cuonline " in lines[3]
     rows = [line for line in lines if line.startswith("|   256 |")]
     assert len(rows) == 4                               # 2 dtypes x causal or not
     for row in rows:
@@ -83,7 +85,7 @@ def test_tile_profile_prints_each_step_of_a_tile():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     lines = result.stdout.splitlines()
-    assert lines[1].startswith("BLAS: ") and "one core" in lines[2]
+    assert lines[1].startswith("BLAS: ") and "one core" in lines[3]
     (row,) = [line for line in lines if line.startswith("| float32 |")]
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert float(cells[3]) > 0 and float(cells[5]) > 0        # both products timed
