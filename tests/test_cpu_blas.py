@@ -10,6 +10,8 @@ installs it), OpenBLAS's where NumPy is built on it (the PyPI wheels).
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -223,6 +225,23 @@ def test_the_measured_choice_is_stored_and_reused(fresh_choice, monkeypatch):
         cpu_blas.reset()
         assert cpu_blas.chosen().name == "mkl" and sorted(timed) == ["mkl", "openblas"]
         timed.clear()
+
+
+def test_threads_asking_at_once_wait_for_one_measurement(fresh_choice, monkeypatch):
+    if cpu_blas.available("openblas") is None or cpu_blas.available("mkl") is None:
+        pytest.skip("one library only: nothing to choose between")
+    timed = []
+
+    def slow(blas):
+        timed.append(blas.name)
+        time.sleep(0.05)                    # long enough for the other threads to arrive
+        return {"mkl": 1.0, "openblas": 2.0}[blas.name]
+
+    monkeypatch.setattr(cpu_blas, "_seconds", slow)
+    with ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(lambda _: cpu_blas.chosen(), range(8)))
+    assert {c.name for c in choices} == {"mkl"}
+    assert sorted(timed) == ["mkl", "openblas"]          # one measurement, not one per thread
 
 
 def test_mkl_must_be_clearly_faster_to_be_chosen(fresh_choice, monkeypatch):

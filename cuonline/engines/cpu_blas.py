@@ -304,7 +304,8 @@ def _mkl_version(handle):
 
 _LOADERS = {"openblas": _numpy_openblas, "mkl": _mkl}
 _loaded: dict = {}
-_lock = threading.Lock()
+_lock = threading.Lock()              # the loaded libraries
+_choose_lock = threading.Lock()       # the choice
 _choice: list = []        # [Cblas or None] once chosen
 
 
@@ -319,31 +320,36 @@ def available(name):
 
 def chosen():
     """The library the products go to (a :class:`Cblas`), or None for NumPy's ``@``: by
-    ``$CUONLINE_CPU_BLAS``, else measured once per machine (see the module docstring)."""
+    ``$CUONLINE_CPU_BLAS``, else measured once per machine (see the module docstring). The
+    first call decides, in one thread: the engines' other threads wait for its choice rather
+    than time the libraries beside it."""
     if _choice:
         return _choice[0]
+    with _choose_lock:
+        if not _choice:
+            _choice.append(_decide())
+        return _choice[0]
+
+
+def _decide():
     wanted = _environment.cpu_blas()
     if wanted == "numpy":
-        blas = None
-    elif wanted != "auto":
-        blas = available(wanted)
-        if blas is None:
-            raise ValueError(
-                f"environment variable CUONLINE_CPU_BLAS={wanted!r}: {wanted} is not "
-                "available in this process"
-                + (" (pip install cuonline[mkl], or mkl from conda)" if wanted == "mkl" else
-                   " (NumPy here is not built on OpenBLAS)"))
-    else:
-        blas = _measured_choice()
-    with _lock:
-        if not _choice:
-            _choice.append(blas)
-        return _choice[0]
+        return None
+    if wanted == "auto":
+        return _measured_choice()
+    blas = available(wanted)
+    if blas is None:
+        raise ValueError(
+            f"environment variable CUONLINE_CPU_BLAS={wanted!r}: {wanted} is not "
+            "available in this process"
+            + (" (pip install cuonline[mkl], or mkl from conda)" if wanted == "mkl" else
+               " (NumPy here is not built on OpenBLAS)"))
+    return blas
 
 
 def reset():
     """Forget the choice (tests: the next product reads ``$CUONLINE_CPU_BLAS`` again)."""
-    with _lock:
+    with _choose_lock:
         _choice.clear()
 
 
@@ -420,8 +426,8 @@ def _store_choice(path, doc):
 
 
 def _after_fork():
-    global _lock
-    _lock = threading.Lock()
+    global _lock, _choose_lock
+    _lock, _choose_lock = threading.Lock(), threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
