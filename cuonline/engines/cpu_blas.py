@@ -95,6 +95,21 @@ class Cblas:
                                int_type, int_type, int_type]
                 self._batch[np.dtype(dtype)] = fn
 
+    @property
+    def wide(self):
+        """True where the library's integers are 64-bit."""
+        return self._int_max > 2 ** 31
+
+    def address(self, dtype):
+        """The address of ``cblas_?gemm`` for ``dtype`` (compiled callers:
+        :mod:`._task_kernels`), or None for another dtype."""
+        fn = self._gemm.get(np.dtype(dtype))
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+    def fits(self, *sizes):
+        """True when every size and leading dimension fits the library's integers."""
+        return max(sizes) <= self._int_max
+
     def gemm(self, a, b, out, add):
         """``out = a @ b`` (``add``: ``out += a @ b``) when CBLAS can take the operands as
         they are; False (nothing done) when it cannot."""

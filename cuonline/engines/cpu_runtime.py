@@ -6,8 +6,8 @@ softmax family (:mod:`.softmax`); nothing here knows what a task computes.
 * :func:`workers`: the cores this process may run on (the thread count of ``workers=None``);
 * :func:`run_tasks`: ``[fn(t) for t in tasks]`` on a shared thread pool, BLAS held to one
   thread meanwhile, results independent of the thread count;
-* :func:`tile_kernel`: a compiled kernel of :mod:`._tile_kernels` (numba), or None where it
-  is unavailable (the engines then run their ufunc passes); ``use_compiled_kernels = False``
+* :func:`tile_kernel`: a compiled kernel of :mod:`._tile_kernels` or :mod:`._task_kernels`
+  (numba), or None where it is unavailable (the engines then run their ufunc passes); ``use_compiled_kernels = False``
   forces the ufunc passes and ``compiled_kernels`` holds what was compiled (tests set both);
 * :func:`cache_sizes` and :func:`score_tile`: the caches this machine reports and the tile
   shape they give, so the engines size their tiles for the machine they run on;
@@ -239,11 +239,18 @@ def tile_kernel(dtype, name="online_softmax_tile"):
     return kernel
 
 
+# the kernels of ._task_kernels (the others are ._tile_kernels')
+TASK_KERNELS = ("forward_task",)
+
+
 def _compile(name, dtype):
     try:
-        from . import _tile_kernels
+        if name in TASK_KERNELS:
+            from . import _task_kernels as module
+        else:
+            from . import _tile_kernels as module
 
-        return _tile_kernels.compile_for(name, dtype)
+        return module.compile_for(name, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure to import or compile: the ufuncs
         import warnings
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _options, _semantics
-from .cpu_blas import product
+from .cpu_blas import chosen, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
@@ -149,9 +149,8 @@ def stack_plan(p):
     takes the plain score only (the scale and the window band): a call with any array option
     or a soft cap goes through :func:`plan`.
     """
-    if (p.nbatch < 2 or p.lq == 0 or p.softcap is not None
-            or tile_kernel(p.acc_dtype) is None
-            or any(getattr(p, name, None) is not None for name in _options.array_options())):
+    if (p.nbatch < 2 or p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
+            or tile_kernel(p.acc_dtype) is None):
         return None
     block_q, block_k = blocks(p.acc_dtype)
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
@@ -194,6 +193,14 @@ def attend_stacked(p, elements, j0, j1):
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
     return o, lse
+
+
+def plain_score(p):
+    """True when the logits are ``scale * q . k`` under the window band alone: no soft cap and
+    no array option but ``kv_lengths`` (which only shortens the key range)."""
+    return p.softcap is None and all(getattr(p, name, None) is None
+                                     for name in _options.array_options()
+                                     if name != "kv_lengths")
 
 
 def key_range(p, b, i0, i1):
@@ -261,6 +268,9 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
     o = np.zeros((n, p.dv), dtype=acc_t)
     kernel = tile_kernel(acc_t)
     width = key_tile(n, *blocks(acc_t))
+    if kernel is not None and not careful and _compiled_walk(p, b, pipeline, j_lo, j_hi,
+                                                               width, m, l, o):
+        return m, l, o
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
         # a tile the window band crosses (the diagonal tile of causal attention): both
@@ -283,6 +293,40 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
             for r0, r1, c0, c1 in spans:
                 product(s[r0:r1, c0:c1], vt[c0:c1], o[r0:r1], add=True)
     return m, l, o
+
+
+def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
+    """:func:`_online`'s loop (not careful) as one compiled call, :func:`._task_kernels.forward_task`,
+    where it applies: the plain score with its scaled queries at hand, key and value rows that
+    CBLAS reads as they are, and a BLAS library loaded for CBLAS. The same products and tile
+    kernel, so the same bits; True when it ran (``m``, ``l``, ``o`` updated in place)."""
+    acc_t = p.acc_dtype
+    blas = chosen()
+    q, k, v = pipeline.queries, p.k[b], p.v[b]
+    if (blas is None or q is None or not plain_score(p)
+            or not all(_cblas_rows(x, acc_t, blas) for x in (q, k, v))):
+        return False
+    task = tile_kernel(acc_t, "forward_task")
+    if task is None:
+        return False
+    size = acc_t.itemsize
+    lo, hi = pipeline.window_columns(0, j_hi)     # key indices, not tile columns
+    task(q.ctypes.data, q.strides[0] // size, k.ctypes.data, k.strides[0] // size,
+         v.ctypes.data, v.strides[0] // size, q.shape[1], m, l, o,
+         np.empty(q.shape[0] * width, dtype=acc_t), j_lo, j_hi, width, lo, hi, SPAN_ROWS,
+         blas.address(acc_t), blas.wide)
+    return True
+
+
+def _cblas_rows(x, dtype, blas):
+    """True when ``x`` is a 2-d ``dtype`` array whose rows CBLAS reads in place: contiguous,
+    aligned, a whole number of elements apart and no closer than a row's length."""
+    if x.dtype != dtype or x.ndim != 2 or 0 in x.shape or not x.flags.aligned:
+        return False
+    size = x.itemsize
+    step = x.strides[0]
+    return ((x.strides[1] == size or x.shape[1] == 1) and step % size == 0
+            and step >= x.shape[1] * size and blas.fits(step // size, *x.shape))
 
 
 def _softmax_tile_ufuncs(s, m, l, o):

@@ -1,0 +1,170 @@
+"""Compiled task loops of the NumPy engine (numba): a query block's whole walk over its key
+tiles, the BLAS products called from compiled code.
+
+The engine's Python loop (:func:`cuonline.engines.numpy._online`) spends, per key tile, a few
+tens of microseconds between its calls: the score pipeline, the window band, a ctypes call per
+product (about 7 µs each), a new score tile. On a 512 x 512 float32 tile at D = 64 that is a
+tenth of the tile's time, and on the diagonal tile of causal attention, whose products run per
+group of 128 rows (eight calls instead of two), a third. :func:`forward_task` runs the same
+steps in one compiled call that holds no GIL: for each tile, ``q kᵀ`` by ``cblas_?gemm``
+(over the columns each group of rows may see, as :meth:`.numpy_scores.ScorePipeline.row_spans`
+chooses them), :func:`._tile_kernels.online_softmax_tile`, and ``P v`` added into the
+output by ``cblas_?gemm`` again, with one score buffer for the task. The products are the same
+calls on the same library with the same shapes as the Python loop's, so the results are the
+same to the bit (the tests compare them).
+
+It takes the plain score only (scale and the window band) and operands whose rows CBLAS reads
+as they are; the engine keeps its Python loop for every other case.
+
+The library is called through its function's address (:meth:`.cpu_blas.Cblas.address`),
+passed as an integer so that the compiled code is cached on disk like the tile kernels' and
+serves any library of the same integer width: an LLVM ``inttoptr`` and a C call
+(:func:`_gemm`), CBLAS's row-major interface with 32- or 64-bit integers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ._tile_kernels import _clip, _jit, online_softmax_tile
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+@intrinsic
+def _gemm(typingctx, address, wide, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc):
+    """``cblas_?gemm(RowMajor, NoTrans, trans_b, m, n, k, 1, a, lda, b, ldb, beta, c, ldc)``
+    of the function at ``address`` (an integer); ``wide``: its integers are 64-bit (else 32).
+    ``a``, ``b``, ``c``: addresses; the dtype is ``beta``'s."""
+    if beta not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        real = ir.FloatType() if beta == types.float32 else ir.DoubleType()
+        i32, ptr = ir.IntType(32), real.as_pointer()
+        address_, wide_, tb, m_, n_, k_, a_, lda_, b_, ldb_, beta_, c_, ldc_ = args
+        pointers = [builder.inttoptr(x, ptr) for x in (a_, b_, c_)]
+        with builder.if_else(context.cast(builder, wide_, wide, types.boolean)) as (w64, w32):
+            for branch, bits in ((w64, 64), (w32, 32)):
+                with branch:
+                    blasint = ir.IntType(bits)
+
+                    def integer(x):
+                        return builder.trunc(x, blasint) if bits < 64 else x
+
+                    fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, blasint, blasint,
+                                                           blasint, real, ptr, blasint, ptr,
+                                                           blasint, real, ptr, blasint])
+                    fn = builder.inttoptr(address_, fnty.as_pointer())
+                    builder.call(fn, [i32(_ROW_MAJOR), i32(_NO_TRANS), builder.trunc(tb, i32),
+                                      integer(m_), integer(n_), integer(k_), real(1.0),
+                                      pointers[0], integer(lda_), pointers[1], integer(ldb_),
+                                      beta_, pointers[2], integer(ldc_)])
+        return context.get_dummy_value()
+
+    ints = (m, n, k, lda, ldb, ldc, trans_b, address)
+    if not all(isinstance(x, types.Integer) for x in ints):
+        return None
+    sig = types.none(types.int64, wide, types.int64, types.int64, types.int64, types.int64,
+                     types.intp, types.int64, types.intp, types.int64, beta, types.intp,
+                     types.int64)
+    return sig, codegen
+
+
+def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
+                  span_rows, gemm, wide):
+    n, dv = o.shape
+    if n == 0 or j_hi <= j_lo:
+        return
+    zero = s.dtype.type(0)
+    size = s.itemsize
+    sa, oa = np.int64(s.ctypes.data), np.int64(o.ctypes.data)
+    ldo = o.strides[0] // size
+    lo = np.empty(n, dtype=np.int64)
+    hi = np.empty(n, dtype=np.int64)
+    groups = (n + span_rows - 1) // span_rows
+    c0s = np.empty(groups, dtype=np.int64)
+    c1s = np.empty(groups, dtype=np.int64)
+    for js in range(j_lo, j_hi, width):
+        w = min(width, j_hi - js)
+        for i in range(n):
+            lo[i] = lo0[i] - js
+            hi[i] = hi0[i] - js
+        # the columns each group of rows may see (ScorePipeline.row_spans' rule): where they
+        # cover more than 3/4 of the tile, one product over all of it
+        spanned = n >= 2 * span_rows
+        if spanned:
+            area = 0
+            for g in range(groups):
+                r0, r1 = g * span_rows, min((g + 1) * span_rows, n)
+                c0, c1 = w, 0
+                for i in range(r0, r1):
+                    c0 = min(c0, _clip(lo[i], 0, w))
+                    c1 = max(c1, _clip(hi[i], 0, w))
+                c0s[g], c1s[g] = c0, max(c0, c1)
+                area += (r1 - r0) * (c1s[g] - c0)
+            spanned = 4 * area <= 3 * n * w
+        rows = span_rows if spanned else n
+        if not spanned:
+            c0s[0], c1s[0] = 0, w
+        # q kT: the columns outside a group's span are left as they are; the tile kernel
+        # zeroes every column a row does not see
+        for g in range(groups if spanned else 1):
+            r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
+            if c1 > c0:
+                _gemm(gemm, wide, _TRANS, r1 - r0, c1 - c0, d, q + r0 * ldq * size, ldq,
+                      k + (js + c0) * ldk * size, ldk, zero, sa + (r0 * w + c0) * size, w)
+        tile = s[:n * w].reshape((n, w))        # C-ordered, as the tile kernel is compiled
+        online_softmax_tile(tile, m, l, o, lo, hi)
+        for g in range(groups if spanned else 1):
+            r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
+            if c1 > c0:
+                _gemm(gemm, wide, _NO_TRANS, r1 - r0, dv, c1 - c0, sa + (r0 * w + c0) * size,
+                      w, v + (js + c0) * ldv * size, ldv, s.dtype.type(1), oa + r0 * ldo * size,
+                      ldo)
+
+
+forward_task = _jit(_forward_task)
+forward_task.__doc__ = """The online-softmax state after keys ``[j_lo, j_hi)`` of one query block,
+in place: :func:`cuonline.engines.numpy._online`'s loop for the plain score.
+
+Parameters
+----------
+q, k, v : int
+    Addresses of the scaled queries (n, d), and of key row 0 (d columns) and value row 0 (dv
+    columns) of the batch element; ``ldq``, ``ldk``, ``ldv``: their row strides in elements
+    (each row contiguous).
+m, l, o : arrays (n,), (n,), (n, dv), C-ordered
+    The running max, sum and unnormalised output, updated.
+s : 1-d array of at least ``n * width`` elements
+    The score buffer.
+width : int
+    Keys per tile; tiles start at ``j_lo``.
+lo0, hi0 : (n,) int64 arrays
+    Row ``i`` may see the keys ``[lo0[i], hi0[i])`` (the window band; not clipped).
+span_rows : int
+    Rows per group for the products of a tile the band crosses.
+gemm, wide : int, bool
+    The address of ``cblas_?gemm`` for the dtype of ``s`` and whether its integers are 64-bit.
+"""
+
+
+def _warm_up_forward(dtype):
+    empty = np.zeros((0, 1), dtype)
+    forward_task(0, 1, 0, 1, 0, 1, 1, np.zeros(0, dtype), np.zeros(0, dtype), empty,
+                 np.zeros(1, dtype), 0, 1, 1, np.zeros(0, np.int64), np.zeros(0, np.int64), 128,
+                 0, False)
+
+
+_WARM_UP = {"forward_task": (forward_task, _warm_up_forward)}
+
+
+def compile_for(name, dtype):
+    """The kernel ``name`` compiled for ``dtype`` (float32 or float64), by calling it once on
+    empty arrays; raises whatever numba raises if it cannot."""
+    kernel, warm_up = _WARM_UP[name]
+    warm_up(np.dtype(dtype))
+    return kernel
