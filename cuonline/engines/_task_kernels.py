@@ -24,12 +24,13 @@ serves any library of the same integer width: an LLVM ``inttoptr`` and a C call
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._tile_kernels import _clip, _jit, online_softmax_tile
+from ._tile_kernels import clip, compiled, online_softmax_tile
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -74,6 +75,16 @@ def _gemm(typingctx, address, wide, trans_b, m, n, k, a, lda, b, ldb, beta, c, l
     return sig, codegen
 
 
+@numba.njit
+def _keys_layout(cw, d, ldk):
+    """``(transpose flag, leading dimension)`` of the ``(d, cw)`` view ``kᵀ`` of ``cw`` key
+    rows ``ldk`` apart, as :func:`.cpu_blas.product` passes it: a single column or row is
+    read untransposed (the Python loop's calls, whose bits the libraries may round apart)."""
+    if cw == 1 or ldk == 1:
+        return _NO_TRANS, cw if d == 1 else 1
+    return _TRANS, ldk
+
+
 def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
                   span_rows, gemm, wide):
     n, dv = o.shape
@@ -102,8 +113,8 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
                 r0, r1 = g * span_rows, min((g + 1) * span_rows, n)
                 c0, c1 = w, 0
                 for i in range(r0, r1):
-                    c0 = min(c0, _clip(lo[i], 0, w))
-                    c1 = max(c1, _clip(hi[i], 0, w))
+                    c0 = min(c0, clip(lo[i], 0, w))
+                    c1 = max(c1, clip(hi[i], 0, w))
                 c0s[g], c1s[g] = c0, max(c0, c1)
                 area += (r1 - r0) * (c1s[g] - c0)
             spanned = 4 * area <= 3 * n * w
@@ -115,8 +126,9 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
         for g in range(groups if spanned else 1):
             r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
             if c1 > c0:
-                _gemm(gemm, wide, _TRANS, r1 - r0, c1 - c0, d, q + r0 * ldq * size, ldq,
-                      k + (js + c0) * ldk * size, ldk, zero, sa + (r0 * w + c0) * size, w)
+                trans, ldb = _keys_layout(c1 - c0, d, ldk)
+                _gemm(gemm, wide, trans, r1 - r0, c1 - c0, d, q + r0 * ldq * size, ldq,
+                      k + (js + c0) * ldk * size, ldb, zero, sa + (r0 * w + c0) * size, w)
         tile = s[:n * w].reshape((n, w))        # C-ordered, as the tile kernel is compiled
         online_softmax_tile(tile, m, l, o, lo, hi)
         for g in range(groups if spanned else 1):
@@ -127,7 +139,7 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
                       ldo)
 
 
-forward_task = _jit(_forward_task)
+forward_task = compiled(_forward_task)
 forward_task.__doc__ = """The online-softmax state after keys ``[j_lo, j_hi)`` of one query block,
 in place: :func:`cuonline.engines.numpy._online`'s loop for the plain score.
 

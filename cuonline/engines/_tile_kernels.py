@@ -200,7 +200,7 @@ def _exp_overload(x):
     return None
 
 
-def _jit(fn):
+def compiled(fn):
     """``numba.njit`` with the cache in the package's ``__pycache__``, else NUMBA_CACHE_DIR or
     the user's cache directory (numba's own order), else no cache: compiled once per process."""
     options = dict(nogil=True, fastmath=_FLAGS, boundscheck=False, error_model="numpy")
@@ -216,13 +216,14 @@ def _exp_array(x, out):
         out[i] = exp_nonpositive(x[i])
 
 
-exp_array = _jit(_exp_array)
+exp_array = compiled(_exp_array)
 exp_array.__doc__ = """``out[:] = exp(x)`` for a 1-d array ``x`` of values ``<= 0``, ``-inf`` or
 NaN (the exponential of :func:`online_softmax_tile`, exposed for its tests)."""
 
 
 @numba.njit
-def _clip(x, low, high):
+def clip(x, low, high):
+    """``x`` clipped to ``[low, high]``."""
     return min(max(x, low), high)
 
 
@@ -276,10 +277,10 @@ def _online_softmax_tile(s, m, l, o, lo, hi):
     # row, LLVM vectorized the pair worse (measured 1.4x slower at 256 x 512).
     top = np.empty(n, dtype=s.dtype)
     for i in range(n):
-        top[i] = _maximum(m[i], _row_max(s[i, _clip(lo[i], 0, k):_clip(hi[i], 0, k)]))
+        top[i] = _maximum(m[i], _row_max(s[i, clip(lo[i], 0, k):clip(hi[i], 0, k)]))
     for i in range(n):
-        a = _clip(lo[i], 0, k)                      # row i sees [a, b); 0 <= a <= b <= k
-        b = _clip(hi[i], a, k)
+        a = clip(lo[i], 0, k)                      # row i sees [a, b); 0 <= a <= b <= k
+        b = clip(hi[i], a, k)
         shift = zero if top[i] == -np.inf else top[i]  # nothing visible: no -inf - -inf
         s[i, :a] = zero
         s[i, b:] = zero
@@ -299,7 +300,7 @@ def _online_softmax_tile(s, m, l, o, lo, hi):
         m[i] = top[i]
 
 
-online_softmax_tile = _jit(_online_softmax_tile)
+online_softmax_tile = compiled(_online_softmax_tile)
 online_softmax_tile.__doc__ = """One key tile of the online softmax, in place.
 
 Parameters
@@ -349,7 +350,7 @@ def _backward_tile(s, lse, ds, delta, row_sums):
     return 1 if check == zero else 2
 
 
-backward_tile = _jit(_backward_tile)
+backward_tile = compiled(_backward_tile)
 backward_tile.__doc__ = """The element-wise part of one backward tile, in place, in one sweep.
 
 Parameters
@@ -417,7 +418,7 @@ def _softmax_rows(x, out, mode):
             out[i, 0] = shift + np.log(total)
 
 
-softmax_rows = _jit(_softmax_rows)
+softmax_rows = compiled(_softmax_rows)
 softmax_rows.__doc__ = """softmax (``mode`` 0), log_softmax (1) or logsumexp (2) of each row of the
 2-d float32 or float64 array ``x`` (read only; it may be a read-only array), written to the
 C-contiguous ``out`` (same shape; ``(n, 1)`` for logsumexp).

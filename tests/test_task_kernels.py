@@ -1,0 +1,171 @@
+"""The NumPy engine's compiled task loop (cuonline/engines/_task_kernels.py): a query block's
+walk over its key tiles in one compiled call, BLAS called from it.
+
+It must give the bits of the engine's Python loop (the same products, the same tile kernel) on
+every library and for every band, tile tail and row group, run where it applies and step aside
+where it does not, and keep the engine's handling of values that are not finite.
+"""
+
+import numpy as np
+import pytest
+from support import check_attention
+
+import cuonline
+from cuonline.engines import cpu_blas, cpu_runtime
+from cuonline.engines import numpy as numpy_engine
+
+LIBRARIES = ["openblas", "mkl"]
+
+
+@pytest.fixture(params=LIBRARIES)
+def library(request, monkeypatch):
+    name = request.param
+    if cpu_blas.available(name) is None:
+        pytest.skip(f"{name} is not available here")
+    monkeypatch.setenv("CUONLINE_CPU_BLAS", name)
+    cpu_blas.reset()
+    yield name
+    cpu_blas.reset()
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles small enough that a short sequence has several, tails and row groups included."""
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 48)
+    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 16)
+
+
+def walks(monkeypatch):
+    """Count the engine's compiled walks (the calls that ran)."""
+    ran = []
+    original = numpy_engine._compiled_walk
+
+    def counted(*args):
+        done = original(*args)
+        ran.append(done)
+        return done
+
+    monkeypatch.setattr(numpy_engine, "_compiled_walk", counted)
+    return ran
+
+
+def python_loop(monkeypatch, fn):
+    """``fn()`` with the engine's Python loop instead of the compiled walk."""
+    with monkeypatch.context() as m:
+        m.setattr(numpy_engine, "_compiled_walk", lambda *args: False)
+        return fn()
+
+
+BANDS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window": (40, 7)},
+    "left window": {"window": (30, None)},
+    "causal, kv_lengths": {"causal": True, "kv_lengths": np.array([150, 61])},
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", sorted(BANDS))
+@pytest.mark.parametrize("lq, lk", [(150, 150), (97, 181), (181, 97)])
+def test_same_bits_as_the_python_loop(library, small_tiles, monkeypatch, rng, dtype, band,
+                                      lq, lk):
+    options = dict(BANDS[band])
+    if "kv_lengths" in options:
+        options["kv_lengths"] = np.minimum(options["kv_lengths"], lk)
+    q = rng.standard_normal((2, lq, 24)).astype(dtype) * 2
+    k = rng.standard_normal((2, lk, 24)).astype(dtype) * 2
+    v = rng.standard_normal((2, lk, 20)).astype(dtype)
+    ran = walks(monkeypatch)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    assert ran and all(ran)
+    want, want_lse = python_loop(
+        monkeypatch, lambda: cuonline.attention(q, k, v, return_lse=True, **options))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    check_attention(q, k, v, out, lse, options)
+
+
+def test_inputs_with_row_gaps_take_the_walk(library, small_tiles, monkeypatch, rng):
+    """Rows a whole number of elements apart (a slice of a wider array, heads of a
+    (B, L, H, D) layout) are read in place."""
+    q, k, v = (rng.standard_normal((130, 2, 32)).astype(np.float32)[:, :, :16]
+               .transpose(1, 0, 2) for _ in range(3))
+    ran = walks(monkeypatch)
+    out = cuonline.attention(q, k, v, causal=True)
+    assert ran and all(ran)
+    want = python_loop(monkeypatch, lambda: cuonline.attention(q, k, v, causal=True))
+    np.testing.assert_array_equal(out, want)
+
+
+STEPS_ASIDE = {
+    "a bias": lambda q: {"bias": np.zeros((q.shape[1], q.shape[1]), q.dtype)},
+    "a soft cap": lambda q: {"softcap": 5.0},
+    "ALiBi": lambda q: {"alibi_slopes": np.array([0.5, 0.25])},
+    "a mask": lambda q: {"mask": np.ones((q.shape[1], q.shape[1]), bool)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEPS_ASIDE))
+def test_score_terms_take_the_python_loop(library, small_tiles, monkeypatch, rng, case):
+    q = rng.standard_normal((2, 70, 16)).astype(np.float32)
+    options = STEPS_ASIDE[case](q)
+    ran = walks(monkeypatch)
+    out, lse = cuonline.attention(q, q, q, return_lse=True, **options)
+    assert ran and not any(ran)
+    check_attention(q, q, q, out, lse, options)
+
+
+@pytest.mark.parametrize("layout", ["columns", "float16"])
+def test_operands_cblas_cannot_read_in_place_take_the_python_loop(
+        library, small_tiles, monkeypatch, rng, layout):
+    """Keys stored by columns; float16 inputs (the products are float32's, of copies)."""
+    q = rng.standard_normal((1, 90, 16)).astype(np.float32)
+    k = np.asfortranarray(q[0])[None]
+    if layout == "float16":
+        q = k = q.astype(np.float16)
+    ran = walks(monkeypatch)
+    out, lse = cuonline.attention(q, k, q, return_lse=True)
+    assert ran and not any(ran)
+    check_attention(q, k, q, out, lse, {})
+
+
+def test_numpys_matmul_takes_the_python_loop(small_tiles, monkeypatch, rng):
+    monkeypatch.setenv("CUONLINE_CPU_BLAS", "numpy")
+    cpu_blas.reset()
+    try:
+        q = rng.standard_normal((1, 90, 16))
+        ran = walks(monkeypatch)
+        cuonline.attention(q, q, q)
+        assert ran and not any(ran)
+    finally:
+        cpu_blas.reset()
+
+
+def test_non_finite_values_reach_only_the_rows_that_see_them(library, small_tiles, rng):
+    q, k, v = (rng.standard_normal((1, 100, 8)) for _ in range(3))
+    v[0, 70] = np.nan                                      # seen by rows 70.. only
+    out = cuonline.attention(q, k, v, causal=True)
+    assert np.isfinite(out[0, :70]).all() and np.isnan(out[0, 70:]).all()
+
+
+def test_without_the_task_kernel_the_python_loop_runs(small_tiles, monkeypatch, rng):
+    def broken(name, dtype):
+        raise RuntimeError("LLVM says no")
+
+    from cuonline.engines import _task_kernels
+
+    monkeypatch.setattr(_task_kernels, "compile_for", broken)
+    monkeypatch.setattr(cpu_runtime, "compiled_kernels", {})
+    q = rng.standard_normal((2, 90, 8))
+    with pytest.warns(RuntimeWarning, match="forward_task for float64 is unavailable"):
+        out = cuonline.attention(q, q, q, causal=True)
+    want = python_loop(monkeypatch, lambda: cuonline.attention(q, q, q, causal=True))
+    np.testing.assert_array_equal(out, want)
+
+
+def test_results_do_not_depend_on_the_thread_count(library, small_tiles, rng):
+    q, k, v = (rng.standard_normal((3, 2, 200, 16)).astype(np.float32) for _ in range(3))
+    one = cuonline.attention(q, k, v, causal=True, workers=1)
+    np.testing.assert_array_equal(one, cuonline.attention(q, k, v, causal=True, workers=3))
