@@ -252,7 +252,7 @@ def test_no_writable_cache_compiles_without_one(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(numba, "njit", njit)
-    fn = tk._jit(tk._exp_array)
+    fn = tk.compiled(tk._exp_array)
     x = np.array([-1.0, -np.inf], np.float32)
     out = np.empty_like(x)
     fn(x, out)
@@ -504,7 +504,9 @@ def spans_of_crossed_tiles(engine, monkeypatch):
                          ids=["causal", "window", "offset"])
 def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
     """Tiles the window band crosses multiply each group of rows by the keys it may see
-    only; the result is the whole-tile products' (up to the order of P·V's sums)."""
+    only; the result is the whole-tile products' (up to the order of P·V's sums). The
+    engine's Python loop (the compiled walk takes the same spans: test_task_kernels.py)."""
+    monkeypatch.setattr(numpy_engine, "_compiled_walk", lambda *args: False)
     spans = spans_of_crossed_tiles(numpy_engine, monkeypatch)
     q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
     got = cuonline.attention(q, k, v, **options)
