@@ -1,4 +1,5 @@
-"""Fixtures only: a seeded generator and the engines available on this machine.
+"""Fixtures only: a seeded generator, the engines available on this machine and the CPU
+products' libraries.
 
 The helpers that test modules share (dtypes, tolerances, skip markers, case builders, TSan
 runs) live in ``tests/support.py``; test modules import that, never this file.
@@ -40,3 +41,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(mark in kernel_marks for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(params=["numpy", "openblas", "mkl"])
+def library(request, monkeypatch):
+    """The CPU engines' products on one library for the test (``CUONLINE_CPU_BLAS``; skipped
+    where this machine lacks it). A module narrows the list with
+    ``pytest.mark.parametrize("library", [...], indirect=True)``."""
+    from cuonline.engines import cpu_blas
+
+    name = request.param
+    if name != "numpy" and cpu_blas.available(name) is None:
+        pytest.skip(f"{name} is not available here")
+    monkeypatch.setenv("CUONLINE_CPU_BLAS", name)
+    cpu_blas.reset()
+    yield name
+    cpu_blas.reset()

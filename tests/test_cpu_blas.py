@@ -21,21 +21,6 @@ from support import (GRADIENT_CASES, check_attention, check_gradients, gradient_
 import cuonline
 from cuonline.engines import cpu_blas
 
-LIBRARIES = ["numpy", "openblas", "mkl"]
-
-
-@pytest.fixture(params=LIBRARIES)
-def library(request, monkeypatch):
-    """Products on one library for the test (skipped where this machine lacks it)."""
-    name = request.param
-    if name != "numpy" and cpu_blas.available(name) is None:
-        pytest.skip(f"{name} is not available here")
-    monkeypatch.setenv("CUONLINE_CPU_BLAS", name)
-    cpu_blas.reset()
-    yield name
-    cpu_blas.reset()
-
-
 @pytest.fixture
 def fresh_choice(monkeypatch, tmp_path):
     """An empty cache directory and no choice made yet in this process."""

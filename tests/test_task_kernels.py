@@ -14,18 +14,8 @@ import cuonline
 from cuonline.engines import cpu_blas, cpu_runtime
 from cuonline.engines import numpy as numpy_engine
 
-LIBRARIES = ["openblas", "mkl"]
-
-
-@pytest.fixture(params=LIBRARIES)
-def library(request, monkeypatch):
-    name = request.param
-    if cpu_blas.available(name) is None:
-        pytest.skip(f"{name} is not available here")
-    monkeypatch.setenv("CUONLINE_CPU_BLAS", name)
-    cpu_blas.reset()
-    yield name
-    cpu_blas.reset()
+# the libraries it calls (NumPy's matmul has no CBLAS to call: the Python loop runs)
+on_cblas = pytest.mark.parametrize("library", ["openblas", "mkl"], indirect=True)
 
 
 @pytest.fixture
@@ -66,6 +56,7 @@ BANDS = {
 }
 
 
+@on_cblas
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("band", sorted(BANDS))
 @pytest.mark.parametrize("lq, lk", [(150, 150), (97, 181), (181, 97)])
@@ -87,6 +78,7 @@ def test_same_bits_as_the_python_loop(library, small_tiles, monkeypatch, rng, dt
     check_attention(q, k, v, out, lse, options)
 
 
+@on_cblas
 def test_inputs_with_row_gaps_take_the_walk(library, small_tiles, monkeypatch, rng):
     """Rows a whole number of elements apart (a slice of a wider array, heads of a
     (B, L, H, D) layout) are read in place."""
@@ -107,6 +99,7 @@ STEPS_ASIDE = {
 }
 
 
+@on_cblas
 @pytest.mark.parametrize("case", sorted(STEPS_ASIDE))
 def test_score_terms_take_the_python_loop(library, small_tiles, monkeypatch, rng, case):
     q = rng.standard_normal((2, 70, 16)).astype(np.float32)
@@ -117,6 +110,7 @@ def test_score_terms_take_the_python_loop(library, small_tiles, monkeypatch, rng
     check_attention(q, q, q, out, lse, options)
 
 
+@on_cblas
 @pytest.mark.parametrize("layout", ["columns", "float16"])
 def test_operands_cblas_cannot_read_in_place_take_the_python_loop(
         library, small_tiles, monkeypatch, rng, layout):
@@ -143,6 +137,7 @@ def test_numpys_matmul_takes_the_python_loop(small_tiles, monkeypatch, rng):
         cpu_blas.reset()
 
 
+@on_cblas
 def test_non_finite_values_reach_only_the_rows_that_see_them(library, small_tiles, rng):
     q, k, v = (rng.standard_normal((1, 100, 8)) for _ in range(3))
     v[0, 70] = np.nan                                      # seen by rows 70.. only
@@ -165,6 +160,7 @@ def test_without_the_task_kernel_the_python_loop_runs(small_tiles, monkeypatch, 
     np.testing.assert_array_equal(out, want)
 
 
+@on_cblas
 def test_results_do_not_depend_on_the_thread_count(library, small_tiles, rng):
     q, k, v = (rng.standard_normal((3, 2, 200, 16)).astype(np.float32) for _ in range(3))
     one = cuonline.attention(q, k, v, causal=True, workers=1)
