@@ -59,15 +59,18 @@ BANDS = {
 @on_cblas
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("band", sorted(BANDS))
-@pytest.mark.parametrize("lq, lk", [(150, 150), (97, 181), (181, 97)])
+@pytest.mark.parametrize("lq, lk, d, dv", [(150, 150, 24, 20), (97, 181, 24, 20),
+                                           (181, 97, 24, 20), (70, 97, 1, 1)])
 def test_same_bits_as_the_python_loop(library, small_tiles, monkeypatch, rng, dtype, band,
-                                      lq, lk):
+                                      lq, lk, d, dv):
+    """Tails of one key (97 = 2 x 48 + 1) and head dimensions of 1 included: single rows
+    and columns are passed to BLAS as the Python loop passes them."""
     options = dict(BANDS[band])
     if "kv_lengths" in options:
         options["kv_lengths"] = np.minimum(options["kv_lengths"], lk)
-    q = rng.standard_normal((2, lq, 24)).astype(dtype) * 2
-    k = rng.standard_normal((2, lk, 24)).astype(dtype) * 2
-    v = rng.standard_normal((2, lk, 20)).astype(dtype)
+    q = rng.standard_normal((2, lq, d)).astype(dtype) * 2
+    k = rng.standard_normal((2, lk, d)).astype(dtype) * 2
+    v = rng.standard_normal((2, lk, dv)).astype(dtype)
     ran = walks(monkeypatch)
     out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
     assert ran and all(ran)

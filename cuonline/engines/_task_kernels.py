@@ -31,24 +31,28 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._tile_kernels import clip, compiled, online_softmax_tile
+from .cpu_blas import layout_of
 
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_ROW_MAJOR = 101
+_layout = numba.njit(layout_of)
 
 
 @intrinsic
-def _gemm(typingctx, address, wide, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc):
-    """``cblas_?gemm(RowMajor, NoTrans, trans_b, m, n, k, 1, a, lda, b, ldb, beta, c, ldc)``
-    of the function at ``address`` (an integer); ``wide``: its integers are 64-bit (else 32).
-    ``a``, ``b``, ``c``: addresses; the dtype is ``beta``'s."""
-    if beta not in (types.float32, types.float64):
+def _gemm(typingctx, address, wide, trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc):
+    """``cblas_?gemm(RowMajor, trans_a, trans_b, m, n, k, 1, a, lda, b, ldb, beta, c, ldc)``
+    of the function at ``address``; ``wide``: its integers are 64-bit (else 32). ``a``, ``b``,
+    ``c``: addresses; the dtype is ``beta``'s."""
+    if beta not in (types.float32, types.float64) or not all(
+            isinstance(x, types.Integer) for x in (address, trans_a, trans_b, m, n, k, a, lda,
+                                                   b, ldb, c, ldc)):
         return None
 
     def codegen(context, builder, sig, args):
         real = ir.FloatType() if beta == types.float32 else ir.DoubleType()
         i32, ptr = ir.IntType(32), real.as_pointer()
-        address_, wide_, tb, m_, n_, k_, a_, lda_, b_, ldb_, beta_, c_, ldc_ = args
-        pointers = [builder.inttoptr(x, ptr) for x in (a_, b_, c_)]
-        with builder.if_else(context.cast(builder, wide_, wide, types.boolean)) as (w64, w32):
+        address_, wide_, ta, tb, m_, n_, k_, a_, lda_, b_, ldb_, beta_, c_, ldc_ = args
+        a_, b_, c_ = (builder.inttoptr(x, ptr) for x in (a_, b_, c_))
+        with builder.if_else(wide_) as (w64, w32):
             for branch, bits in ((w64, 64), (w32, 32)):
                 with branch:
                     blasint = ir.IntType(bits)
@@ -60,29 +64,50 @@ def _gemm(typingctx, address, wide, trans_b, m, n, k, a, lda, b, ldb, beta, c, l
                                                            blasint, real, ptr, blasint, ptr,
                                                            blasint, real, ptr, blasint])
                     fn = builder.inttoptr(address_, fnty.as_pointer())
-                    builder.call(fn, [i32(_ROW_MAJOR), i32(_NO_TRANS), builder.trunc(tb, i32),
-                                      integer(m_), integer(n_), integer(k_), real(1.0),
-                                      pointers[0], integer(lda_), pointers[1], integer(ldb_),
-                                      beta_, pointers[2], integer(ldc_)])
+                    builder.call(fn, [i32(_ROW_MAJOR), builder.trunc(ta, i32),
+                                      builder.trunc(tb, i32), integer(m_), integer(n_),
+                                      integer(k_), real(1.0), a_, integer(lda_), b_,
+                                      integer(ldb_), beta_, c_, integer(ldc_)])
         return context.get_dummy_value()
 
-    ints = (m, n, k, lda, ldb, ldc, trans_b, address)
-    if not all(isinstance(x, types.Integer) for x in ints):
-        return None
-    sig = types.none(types.int64, wide, types.int64, types.int64, types.int64, types.int64,
-                     types.intp, types.int64, types.intp, types.int64, beta, types.intp,
-                     types.int64)
+    i64 = types.int64
+    sig = types.none(i64, types.boolean, i64, i64, i64, i64, i64, i64, i64, i64, i64, beta,
+                     i64, i64)
     return sig, codegen
 
 
 @numba.njit
-def _keys_layout(cw, d, ldk):
-    """``(transpose flag, leading dimension)`` of the ``(d, cw)`` view ``kᵀ`` of ``cw`` key
-    rows ``ldk`` apart, as :func:`.cpu_blas.product` passes it: a single column or row is
-    read untransposed (the Python loop's calls, whose bits the libraries may round apart)."""
-    if cw == 1 or ldk == 1:
-        return _NO_TRANS, cw if d == 1 else 1
-    return _TRANS, ldk
+def _product(gemm, wide, m, n, k, a, a_step, a_col, b, b_step, b_col, beta, c, c_step, size):
+    """``c = a @ b + beta * c`` of an (m, k) ``a`` and a (k, n) ``b`` at the given addresses,
+    with rows and columns the given bytes apart (``c``'s columns contiguous): the call
+    :func:`.cpu_blas.product` makes for the same views (:func:`.cpu_blas.layout_of`)."""
+    ta, lda = _layout(m, k, a_step, a_col, size)
+    tb, ldb = _layout(k, n, b_step, b_col, size)
+    _, ldc = _layout(m, n, c_step, size, size)
+    _gemm(gemm, wide, ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc)
+
+
+@numba.njit
+def _spans(lo, hi, w, span_rows, c0s, c1s):
+    """``ScorePipeline.row_spans``' rule for a tile of ``w`` keys whose row ``i`` sees the
+    columns ``[lo[i], hi[i])`` (not clipped): the columns ``[c0s[g], c1s[g])`` that each group
+    ``g`` of ``span_rows`` rows may see, and the row count per group; one group of every row
+    and column where the groups would cover more than 3/4 of the tile."""
+    n = lo.shape[0]
+    if n >= 2 * span_rows:
+        area = 0
+        for g in range((n + span_rows - 1) // span_rows):
+            r0, r1 = g * span_rows, min((g + 1) * span_rows, n)
+            c0, c1 = w, 0
+            for i in range(r0, r1):
+                c0 = min(c0, clip(lo[i], 0, w))
+                c1 = max(c1, clip(hi[i], 0, w))
+            c0s[g], c1s[g] = c0, max(c0, c1)
+            area += (r1 - r0) * (c1s[g] - c0)
+        if 4 * area <= 3 * n * w:
+            return span_rows
+    c0s[0], c1s[0] = 0, w
+    return n
 
 
 def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
@@ -90,53 +115,35 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
     n, dv = o.shape
     if n == 0 or j_hi <= j_lo:
         return
-    zero = s.dtype.type(0)
+    zero, one = s.dtype.type(0), s.dtype.type(1)
     size = s.itemsize
     sa, oa = np.int64(s.ctypes.data), np.int64(o.ctypes.data)
-    ldo = o.strides[0] // size
     lo = np.empty(n, dtype=np.int64)
     hi = np.empty(n, dtype=np.int64)
-    groups = (n + span_rows - 1) // span_rows
-    c0s = np.empty(groups, dtype=np.int64)
-    c1s = np.empty(groups, dtype=np.int64)
+    c0s = np.empty(n // span_rows + 1, dtype=np.int64)
+    c1s = np.empty(n // span_rows + 1, dtype=np.int64)
     for js in range(j_lo, j_hi, width):
         w = min(width, j_hi - js)
         for i in range(n):
             lo[i] = lo0[i] - js
             hi[i] = hi0[i] - js
-        # the columns each group of rows may see (ScorePipeline.row_spans' rule): where they
-        # cover more than 3/4 of the tile, one product over all of it
-        spanned = n >= 2 * span_rows
-        if spanned:
-            area = 0
-            for g in range(groups):
-                r0, r1 = g * span_rows, min((g + 1) * span_rows, n)
-                c0, c1 = w, 0
-                for i in range(r0, r1):
-                    c0 = min(c0, clip(lo[i], 0, w))
-                    c1 = max(c1, clip(hi[i], 0, w))
-                c0s[g], c1s[g] = c0, max(c0, c1)
-                area += (r1 - r0) * (c1s[g] - c0)
-            spanned = 4 * area <= 3 * n * w
-        rows = span_rows if spanned else n
-        if not spanned:
-            c0s[0], c1s[0] = 0, w
-        # q kT: the columns outside a group's span are left as they are; the tile kernel
-        # zeroes every column a row does not see
-        for g in range(groups if spanned else 1):
+        rows = _spans(lo, hi, w, span_rows, c0s, c1s)
+        # q kT over each group's columns; the tile kernel zeroes every column a row does not
+        # see, those outside the group's included
+        for g in range((n + rows - 1) // rows):
             r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
             if c1 > c0:
-                trans, ldb = _keys_layout(c1 - c0, d, ldk)
-                _gemm(gemm, wide, trans, r1 - r0, c1 - c0, d, q + r0 * ldq * size, ldq,
-                      k + (js + c0) * ldk * size, ldb, zero, sa + (r0 * w + c0) * size, w)
+                _product(gemm, wide, r1 - r0, c1 - c0, d, q + r0 * ldq * size, ldq * size,
+                         size, k + (js + c0) * ldk * size, size, ldk * size, zero,
+                         sa + (r0 * w + c0) * size, w * size, size)
         tile = s[:n * w].reshape((n, w))        # C-ordered, as the tile kernel is compiled
         online_softmax_tile(tile, m, l, o, lo, hi)
-        for g in range(groups if spanned else 1):
+        for g in range((n + rows - 1) // rows):
             r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
             if c1 > c0:
-                _gemm(gemm, wide, _NO_TRANS, r1 - r0, dv, c1 - c0, sa + (r0 * w + c0) * size,
-                      w, v + (js + c0) * ldv * size, ldv, s.dtype.type(1), oa + r0 * ldo * size,
-                      ldo)
+                _product(gemm, wide, r1 - r0, dv, c1 - c0, sa + (r0 * w + c0) * size,
+                         w * size, size, v + (js + c0) * ldv * size, ldv * size, size, one,
+                         oa + r0 * o.strides[0], o.strides[0], size)
 
 
 forward_task = compiled(_forward_task)

@@ -53,7 +53,7 @@ from .. import _environment
 from .._cache_files import write_json_atomically
 from .cpu_runtime import cache_sizes, cpu_model, score_tile, single_threaded_blas
 
-__all__ = ["chosen", "product", "available", "describe", "reset"]
+__all__ = ["chosen", "product", "available", "describe", "reset", "layout_of"]
 
 # CBLAS's enums (cblas.h): C ints whatever the integer width of the library
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -161,20 +161,26 @@ class Cblas:
 def _layout(x):
     """``(transpose flag, leading dimension)`` of a 2-d array as row-major CBLAS reads it, or
     None when neither of its dimensions is contiguous (or its data is misaligned)."""
-    rows, cols = x.shape
-    size = x.itemsize
-    s0, s1 = x.strides
     if not x.flags.aligned:
         return None
-    if s1 == size or cols == 1:
-        ld = s0 // size if rows > 1 else cols
-        if rows == 1 or (s0 % size == 0 and ld >= cols):
+    flag, ld = layout_of(x.shape[0], x.shape[1], x.strides[0], x.strides[1], x.itemsize)
+    return None if flag == 0 else (flag, ld)
+
+
+def layout_of(rows, cols, row_step, col_step, size):
+    """``(transpose flag, leading dimension)`` of a ``rows x cols`` matrix of ``size``-byte
+    elements ``row_step`` and ``col_step`` bytes apart, as row-major CBLAS reads it; ``(0, 0)``
+    when neither dimension is contiguous. Plain integers in and out, so that compiled callers
+    (:mod:`._task_kernels`) make the calls this module makes, to the bit."""
+    if col_step == size or cols == 1:
+        ld = row_step // size if rows > 1 else cols
+        if rows == 1 or (row_step % size == 0 and ld >= cols):
             return _NO_TRANS, max(ld, 1)
-    if s0 == size or rows == 1:
-        ld = s1 // size if cols > 1 else rows
-        if cols == 1 or (s1 % size == 0 and ld >= rows):
+    if row_step == size or rows == 1:
+        ld = col_step // size if cols > 1 else rows
+        if cols == 1 or (col_step % size == 0 and ld >= rows):
             return _TRANS, max(ld, 1)
-    return None
+    return 0, 0
 
 
 def product(a, b, out=None, *, add=False):
