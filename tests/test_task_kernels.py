@@ -8,7 +8,7 @@ where it does not, and keep the engine's handling of values that are not finite.
 
 import numpy as np
 import pytest
-from support import check_attention
+from support import check_attention, check_gradients
 
 import cuonline
 from cuonline.engines import cpu_blas, cpu_runtime
@@ -168,3 +168,115 @@ def test_results_do_not_depend_on_the_thread_count(library, small_tiles, rng):
     q, k, v = (rng.standard_normal((3, 2, 200, 16)).astype(np.float32) for _ in range(3))
     one = cuonline.attention(q, k, v, causal=True, workers=1)
     np.testing.assert_array_equal(one, cuonline.attention(q, k, v, causal=True, workers=3))
+
+
+# --------------------------------------------------------------------------------------------
+# the backward's key blocks
+
+
+@pytest.fixture
+def small_backward_tiles(monkeypatch):
+    from cuonline.engines import numpy_backward
+
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_backward, "BLOCK_K", 48)
+    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
+    return numpy_backward
+
+
+def blocks_done(monkeypatch, backward):
+    """The tiles each compiled key block did, of those it was given (blocks no row sees
+    have none)."""
+    done = []
+    original = backward._compiled_block
+
+    def counted(p, e, tiles, *args):
+        n = original(p, e, tiles, *args)
+        if tiles:
+            done.append(n)
+        return n
+
+    monkeypatch.setattr(backward, "_compiled_block", counted)
+    return done
+
+
+def backward_case(rng, dtype, lq, lk, d=24, dv=20, **options):
+    q = rng.standard_normal((2, lq, d)).astype(dtype) * 2
+    k = rng.standard_normal((2, lk, d)).astype(dtype) * 2
+    v = rng.standard_normal((2, lk, dv)).astype(dtype)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    return dout, q, k, v, out, lse
+
+
+def same_gradients(got, want):
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+@on_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", sorted(BANDS))
+@pytest.mark.parametrize("lq, lk, d, dv", [(150, 150, 24, 20), (97, 181, 24, 20),
+                                           (70, 97, 1, 1)])
+@pytest.mark.parametrize("cores", [1, 64], ids=["one task per element", "kv and q tasks"])
+def test_backward_same_bits_as_the_python_loop(library, small_backward_tiles, monkeypatch,
+                                               rng, dtype, band, lq, lk, d, dv, cores):
+    backward = small_backward_tiles
+    monkeypatch.setattr(backward, "workers", lambda: cores)
+    options = dict(BANDS[band])
+    if "kv_lengths" in options:
+        options["kv_lengths"] = np.minimum(options["kv_lengths"], lk)
+    case = backward_case(rng, dtype, lq, lk, d, dv, **options)
+    done = blocks_done(monkeypatch, backward)
+    got = cuonline.attention_backward(*case, **options)
+    assert done and all(done)
+    with monkeypatch.context() as m:
+        m.setattr(backward, "_compiled_block", lambda *args: 0)
+        want = cuonline.attention_backward(*case, **options)
+    same_gradients(got, want)
+    check_gradients(got, case[0], *case[1:4], options)
+
+
+@on_cblas
+def test_backward_rows_that_see_nothing_take_the_python_loop(
+        library, small_backward_tiles, monkeypatch, rng):
+    """Causal with more queries than keys: the first rows see no key (lse -inf)."""
+    case = backward_case(rng, np.float32, 181, 97, causal=True)
+    done = blocks_done(monkeypatch, small_backward_tiles)
+    got = cuonline.attention_backward(*case, causal=True)
+    assert done and not any(done)
+    check_gradients(got, case[0], *case[1:4], {"causal": True})
+
+
+@on_cblas
+def test_backward_hands_a_non_finite_tile_to_the_python_loop(
+        library, small_backward_tiles, monkeypatch, rng):
+    """NaN in V reaches dS of the rows that see it (through dP = dO V^T): the block stops
+    at that tile and the loop keeps NaN where it belongs (dQ of those rows, dK of that key);
+    the tiles before it are the compiled block's."""
+    dout, q, k, v, out, lse = backward_case(rng, np.float64, 150, 150, causal=True)
+    v[0, 100] = np.nan
+    done = blocks_done(monkeypatch, small_backward_tiles)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert any(0 < n for n in done) and any(n == 0 for n in done)
+    assert np.isnan(got.dq[0, 100:]).all() and np.isfinite(got.dq[0, :100]).all()
+    assert np.isnan(got.dk[0, 100]).all() and np.isfinite(np.delete(got.dk[0], 100, 0)).all()
+    assert np.isfinite(got.dv).all() and np.isfinite(got.dq[1]).all()
+    with monkeypatch.context() as m:
+        m.setattr(small_backward_tiles, "_compiled_block", lambda *args: 0)
+        want = cuonline.attention_backward(dout, q, k, v, out, lse, causal=True)
+    same_gradients(got, want)
+
+
+@on_cblas
+@pytest.mark.parametrize("case", sorted(STEPS_ASIDE))
+def test_backward_score_terms_take_the_python_loop(library, small_backward_tiles,
+                                                   monkeypatch, rng, case):
+    q = rng.standard_normal((2, 70, 16))
+    options = STEPS_ASIDE[case](q)
+    out, lse = cuonline.attention(q, q, q, return_lse=True, **options)
+    done = blocks_done(monkeypatch, small_backward_tiles)
+    got = cuonline.attention_backward(out, q, q, q, out, lse, **options)
+    assert done and not any(done)
+    check_gradients(got, out, q, q, q, options)

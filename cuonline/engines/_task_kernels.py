@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._tile_kernels import clip, compiled, online_softmax_tile
+from ._tile_kernels import backward_tile, clip, compiled, online_softmax_tile
 from .cpu_blas import layout_of
 
 _ROW_MAJOR = 101
@@ -171,6 +171,115 @@ gemm, wide : int, bool
 """
 
 
+def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
+                    lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
+                    q_part, gemm, wide):
+    size = s.itemsize
+    zero, one = s.dtype.type(0), s.dtype.type(1)
+    sa, dsa = np.int64(s.ctypes.data), np.int64(ds.ctypes.data)
+    most = 1
+    for t in range(tiles.shape[0]):
+        most = max(most, tiles[t, 1] - tiles[t, 0])
+    lo = np.empty(most, dtype=np.int64)
+    hi = np.empty(most, dtype=np.int64)
+    c0s = np.empty(most // span_rows + 1, dtype=np.int64)
+    c1s = np.empty(most // span_rows + 1, dtype=np.int64)
+    for t in range(tiles.shape[0]):
+        i0, i1, js, je = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        n, w = i1 - i0, je - js
+        for i in range(n):
+            lo[i] = lo0[i0 + i] - js
+            hi[i] = hi0[i0 + i] - js
+        rows = _spans(lo[:n], hi[:n], w, span_rows, c0s, c1s)
+        groups = (n + rows - 1) // rows
+        # S = scale Q K^T and dP = dO V^T over each group's columns, 0 elsewhere; then -inf
+        # in S wherever the row may not see the key (the score pipeline's masking)
+        for g in range(groups):
+            r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
+            for i in range(r0, r1):
+                for j in range(c0):
+                    s[i * w + j] = zero
+                    ds[i * w + j] = zero
+                for j in range(c1, w):
+                    s[i * w + j] = zero
+                    ds[i * w + j] = zero
+            if c1 > c0:
+                _product(gemm, wide, r1 - r0, c1 - c0, d, q + (i0 + r0) * ldq * size,
+                         ldq * size, size, k + (js + c0) * ldk * size, size, ldk * size,
+                         zero, sa + (r0 * w + c0) * size, w * size, size)
+                _product(gemm, wide, r1 - r0, c1 - c0, dv, do + (i0 + r0) * ldo * size,
+                         ldo * size, size, v + (js + c0) * ldv * size, size, ldv * size,
+                         zero, dsa + (r0 * w + c0) * size, w * size, size)
+        tile, grad = s[:n * w].reshape((n, w)), ds[:n * w].reshape((n, w))
+        for i in range(n):
+            a = clip(lo[i], 0, w)
+            tile[i, :a] = -np.inf
+            tile[i, max(a, clip(hi[i], 0, w)):] = -np.inf
+        # P and dS in place; anything but "all finite" goes back to the caller's loop
+        if backward_tile(tile, lse[i0:i1], grad, delta[i0:i1], row_sums[:n]) != 1:
+            return t
+        if q_part:
+            for i in range(n):
+                sums[i0 + i] += row_sums[i]
+        for g in range(groups):
+            r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
+            if kv_part and c1 > c0:         # dV += P^T dO, dK += dS^T (scale Q)
+                _product(gemm, wide, c1 - c0, dv, r1 - r0, sa + (r0 * w + c0) * size, size,
+                         w * size, do + (i0 + r0) * ldo * size, ldo * size, size, one,
+                         dvv + (js + c0) * lddv * size, lddv * size, size)
+                _product(gemm, wide, c1 - c0, d, r1 - r0, dsa + (r0 * w + c0) * size, size,
+                         w * size, q + (i0 + r0) * ldq * size, ldq * size, size, one,
+                         dk + (js + c0) * lddk * size, lddk * size, size)
+        if q_part:                             # dQ += dS K (scaled by the caller)
+            for g in range(groups):
+                r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
+                if c1 > c0:
+                    _product(gemm, wide, r1 - r0, d, c1 - c0, dsa + (r0 * w + c0) * size,
+                             w * size, size, k + (js + c0) * ldk * size, ldk * size, size,
+                             one, dq + (i0 + r0) * lddq * size, lddq * size, size)
+    return tiles.shape[0]
+
+
+backward_block = compiled(_backward_block)
+backward_block.__doc__ = """The tiles of one key block of the backward for the plain score, in
+place: :func:`cuonline.engines.numpy_backward._one_batch_element`'s inner loop with every
+operand finite and every row seeing a key.
+
+Parameters
+----------
+tiles : (T, 4) int64 array
+    ``(i0, i1, js, je)`` of each tile: query rows ``[i0, i1)`` against keys ``[js, je)``.
+q, do, k, v, dq, dk, dvv : int
+    Addresses of row 0 of the scaled queries, the output gradient, the keys, the values and
+    the three gradients (each row contiguous); ``ld*``: their row strides in elements; ``d``
+    and ``dv``: the head dimensions of the queries and of the values.
+lse, delta, sums : 1-d arrays of the batch element's rows
+    Log-sum-exp, ``Delta = dO . O`` and the rows' sums of P (added to where ``q_part``).
+lo0, hi0 : 1-d int64 arrays
+    Row ``i`` may see the keys ``[lo0[i], hi0[i])`` (the window band; not clipped).
+s, ds, row_sums : 1-d buffers of at least ``rows x keys`` (``rows``) elements of a tile
+span_rows : int
+    Rows per group for the products of a tile the band crosses.
+kv_part, q_part : bool
+    Add dK and dV; add dQ and the row sums.
+gemm, wide : int, bool
+    ``cblas_?gemm``'s address for the dtype and whether its integers are 64-bit.
+
+Returns
+-------
+int
+    The tiles done: fewer than T where a tile's P or dS was not all finite (nothing of that
+    tile added; the caller's loop takes it and the rest).
+"""
+
+
+def _warm_up_backward(dtype):
+    z = np.zeros(1, dtype)
+    none = np.zeros(0, np.int64)
+    backward_block(np.zeros((0, 4), np.int64), 0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 0, 1, 0, 1, 0, 1,
+                   z, z, z, none, none, z, z, z, 128, True, True, 0, False)
+
+
 def _warm_up_forward(dtype):
     empty = np.zeros((0, 1), dtype)
     forward_task(0, 1, 0, 1, 0, 1, 1, np.zeros(0, dtype), np.zeros(0, dtype), empty,
@@ -178,7 +287,8 @@ def _warm_up_forward(dtype):
                  0, False)
 
 
-_WARM_UP = {"forward_task": (forward_task, _warm_up_forward)}
+_WARM_UP = {"forward_task": (forward_task, _warm_up_forward),
+            "backward_block": (backward_block, _warm_up_backward)}
 
 
 def compile_for(name, dtype):

@@ -106,9 +106,15 @@ class Cblas:
         fn = self._gemm.get(np.dtype(dtype))
         return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
-    def fits(self, *sizes):
-        """True when every size and leading dimension fits the library's integers."""
-        return max(sizes) <= self._int_max
+    def reads_rows(self, x, dtype):
+        """True when ``x`` is a 2-d ``dtype`` array whose rows this library reads in place
+        (compiled callers pass its address and row step): contiguous rows, aligned, a whole
+        number of elements apart, no closer than a row's length, within the integers."""
+        if x.dtype != dtype or x.ndim != 2 or 0 in x.shape or not x.flags.aligned:
+            return False
+        size, step = x.itemsize, x.strides[0]
+        return ((x.strides[1] == size or x.shape[1] == 1) and step % size == 0
+                and step >= x.shape[1] * size and max(step // size, *x.shape) <= self._int_max)
 
     def gemm(self, a, b, out, add):
         """``out = a @ b`` (``add``: ``out += a @ b``) when CBLAS can take the operands as

@@ -304,7 +304,7 @@ def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
     blas = chosen()
     q, k, v = pipeline.queries, p.k[b], p.v[b]
     if (blas is None or q is None or not plain_score(p)
-            or not all(_cblas_rows(x, acc_t, blas) for x in (q, k, v))):
+            or not all(blas.reads_rows(x, acc_t) for x in (q, k, v))):
         return False
     task = tile_kernel(acc_t, "forward_task")
     if task is None:
@@ -316,17 +316,6 @@ def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
          np.empty(q.shape[0] * width, dtype=acc_t), j_lo, j_hi, width, lo, hi, SPAN_ROWS,
          blas.address(acc_t), blas.wide)
     return True
-
-
-def _cblas_rows(x, dtype, blas):
-    """True when ``x`` is a 2-d ``dtype`` array whose rows CBLAS reads in place: contiguous,
-    aligned, a whole number of elements apart and no closer than a row's length."""
-    if x.dtype != dtype or x.ndim != 2 or 0 in x.shape or not x.flags.aligned:
-        return False
-    size = x.itemsize
-    step = x.strides[0]
-    return ((x.strides[1] == size or x.shape[1] == 1) and step % size == 0
-            and step >= x.shape[1] * size and blas.fits(step // size, *x.shape))
 
 
 def _softmax_tile_ufuncs(s, m, l, o):

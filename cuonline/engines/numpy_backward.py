@@ -34,8 +34,9 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
-from .cpu_blas import product
+from .cpu_blas import chosen, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
+from .numpy import plain_score
 from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
                            visible_product)
 
@@ -204,6 +205,13 @@ class _Element:
         self.k, self.v = p.k[b], p.v[b]
         self.kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         self._pipelines = {}
+        self._band = None
+
+    def band(self, p):
+        """``(lo, hi)``: row ``i`` may see the keys ``[lo[i], hi[i])`` by the window band."""
+        if self._band is None:
+            self._band = ScorePipeline(p, self.b, 0, p.lq, self.qs).window_columns(0, p.lk)
+        return self._band
 
     def pipeline(self, p, i0, i1):
         """The score pipeline of queries ``[i0, i1)`` (built once per query tile)."""
@@ -265,6 +273,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
         k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
         k_finite = bool(np.isfinite(k_blk).all())
+        tiles = []                                # (i0, i1, js, je) of the query tiles
         for i0 in range(r0 // block_q * block_q, r1, block_q):
             if query_block is not None and i0 != query_block:
                 continue
@@ -272,8 +281,13 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
                                                 p.diagonal_offset)
             js, je = max(a, j0), min(z, j1)
-            if js >= je:
-                continue
+            if js < je:
+                tiles.append((i0, i1, js, je))
+        done = 0
+        if e.do_finite and e.qs_finite and k_finite:
+            done = _compiled_block(p, e, tiles, k_blk, v_blk, j0, (dq, dk, dv), sums,
+                                   kv_part, q_part)
+        for i0, i1, js, je in tiles[done:]:
             kt, vt = k_blk[js - j0:je - j0], v_blk[js - j0:je - j0]
             pipeline = e.pipeline(p, i0, i1)
             seen = _Visibility(pipeline, js, je, kt)
@@ -313,6 +327,39 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
                     for r0, r1, c0, c1 in spans:
                         product(ds_content[r0:r1, c0:c1], kt[c0:c1], dq[i0 + r0:i0 + r1],
                                 add=True)
+
+
+def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part):
+    """The ``tiles`` of one key block (keys from ``j0``) in one compiled call
+    (:func:`._task_kernels.backward_block`: the same products and tile kernel as the loop of
+    :func:`_one_batch_element`, so the same bits), where it applies: the plain score, every
+    row seeing a key, operands and gradients whose rows CBLAS reads in place and a BLAS
+    library loaded for CBLAS; the caller has checked that Q, dO and K are finite. Returns how
+    many tiles it did (0: it did not apply; fewer than all: a tile's P or dS was not finite,
+    and the caller's loop does the rest)."""
+    acc = p.acc_dtype
+    blas = chosen()
+    if not tiles or blas is None or not plain_score(p) or e.dead.any():
+        return 0
+    if not all(blas.reads_rows(x, acc) for x in (e.qs, e.do, k_blk, v_blk) + grads):
+        return 0
+    kernel = tile_kernel(acc, "backward_block")
+    if kernel is None or tile_kernel(acc, "backward_tile") is None:
+        return 0
+    n = max(i1 - i0 for i0, i1, _, _ in tiles)
+    w = max(je - js for _, _, js, je in tiles)
+    lo, hi = e.band(p)
+
+    def rows(x, first=0):         # the address of row 0 (of a block from row `first`)
+        return [x.ctypes.data - first * x.strides[0], x.strides[0] // acc.itemsize]
+
+    dq, dk, dv = grads
+    return kernel(np.array(tiles, dtype=np.int64).reshape(-1, 4),
+                  *rows(e.qs), *rows(e.do), *rows(k_blk, j0), *rows(v_blk, j0),
+                  e.qs.shape[1], e.do.shape[1], *rows(dq), *rows(dk), *rows(dv),
+                  e.lse, e.delta, sums.sums[e.b], lo, hi, np.empty(n * w, acc),
+                  np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, kv_part, q_part,
+                  blas.address(acc), blas.wide)
 
 
 class _Visibility:
