@@ -589,7 +589,8 @@ import numpy as np
 from cuonline.engines import cpu_runtime
 counts = {}
 for dtype in (np.float32, np.float64):
-    for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows'):
+    for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows', 'forward_task',
+                 'backward_block'):
         asm = ''.join(cpu_runtime.tile_kernel(dtype, name).inspect_asm().values())
         functions = counts.setdefault(f'{name} {np.dtype(dtype).name}', {})
         function = block = None
@@ -597,7 +598,7 @@ for dtype in (np.float32, np.float64):
             label = re.match(r'(\S+):', line)
             if label and not label[1].startswith('.'):
                 # numba's mangled names: _ZN8cuonline7engines13_tile_kernels13_softmax_rowsB...
-                named = re.search(r'^_ZN8cuonline.*?_tile_kernels(\d+)', label[1])
+                named = re.search(r'^_ZN8cuonline.*?_t(?:ile|ask)_kernels(\d+)', label[1])
                 function = (label[1][named.end():named.end() + int(named[1])] if named
                             else None)
             if label:
@@ -624,6 +625,10 @@ def test_kernels_use_the_full_vector_width(tmp_path):
     counts = json.loads(run.stdout)
     for dtype in ("float32", "float64"):
         for name in ("online_softmax_tile", "backward_tile"):
+            found = counts[f"{name} {dtype}"]
+            assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
+        # the task loops (_task_kernels.py) call them: inlined or not, still at full width
+        for name in ("forward_task", "backward_block"):
             found = counts[f"{name} {dtype}"]
             assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
         rows = counts[f"softmax_rows {dtype}"]

@@ -30,7 +30,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._tile_kernels import backward_tile, clip, compiled, online_softmax_tile
+from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
+                            online_softmax_tile)
 from .cpu_blas import layout_of
 
 _ROW_MAJOR = 101
@@ -112,6 +113,7 @@ def _spans(lo, hi, w, span_rows, c0s, c1s):
 
 def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
                   span_rows, gemm, wide):
+    full_vector_width()              # the tile kernel keeps its width, should LLVM inline it
     n, dv = o.shape
     if n == 0 or j_hi <= j_lo:
         return
@@ -174,6 +176,7 @@ gemm, wide : int, bool
 def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
                     q_part, gemm, wide):
+    full_vector_width()
     size = s.itemsize
     zero, one = s.dtype.type(0), s.dtype.type(1)
     sa, dsa = np.int64(s.ctypes.data), np.int64(ds.ctypes.data)

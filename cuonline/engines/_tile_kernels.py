@@ -113,7 +113,7 @@ _VECTOR_BITS = _widest_vector_bits()
 
 
 @intrinsic
-def _full_vector_width(typingctx):
+def full_vector_width(typingctx):
     """Called first in a kernel: its loops are vectorized at the machine's widest vector width
     (LLVM's function attribute ``prefer-vector-width``), where that is wider than LLVM's default.
 
@@ -211,7 +211,7 @@ def compiled(fn):
 
 
 def _exp_array(x, out):
-    _full_vector_width()
+    full_vector_width()
     for i in range(x.shape[0]):
         out[i] = exp_nonpositive(x[i])
 
@@ -236,7 +236,7 @@ _CHUNK = 512
 @numba.njit(fastmath=_FLAGS)
 def _row_max(row):
     """``max(row)`` (``-inf`` for an empty row), NaN if any element is NaN."""
-    _full_vector_width()
+    full_vector_width()
     t = row.dtype.type(-np.inf)
     for j in range(row.shape[0]):
         t = _maximum(t, row[j])
@@ -249,7 +249,7 @@ def _exp_sum(row, shift, out):
     ``sum(exp(row - shift))``. Every ``row - shift`` must be <= 0, -inf or NaN.
 
     ``row`` is only read, so a read-only array types; ``out`` is never a view of ``row``."""
-    _full_vector_width()
+    full_vector_width()
     total = row.dtype.type(0)
     for c in range(0, row.shape[0], _CHUNK):
         part = row[c:c + _CHUNK]
@@ -268,7 +268,7 @@ def _exp_sum(row, shift, out):
 
 
 def _online_softmax_tile(s, m, l, o, lo, hi):
-    _full_vector_width()
+    full_vector_width()
     n, k = s.shape
     zero = s.dtype.type(0)
     # Every inner loop runs from 0 over a view of the visible columns: with a start LLVM cannot
@@ -326,7 +326,7 @@ engine's ufunc passes up to the rounding of the exponential (about 1 ulp) and of
 
 
 def _backward_tile(s, lse, ds, delta, row_sums):
-    _full_vector_width()
+    full_vector_width()
     n, k = s.shape
     zero = s.dtype.type(0)
     # every argument of the exponential must be <= 0 (the kernel's exp covers no more): a
@@ -380,7 +380,7 @@ Notes
 
 @numba.njit(fastmath=_FLAGS)
 def _divide(row, scale):
-    _full_vector_width()
+    full_vector_width()
     for j in range(row.shape[0]):
         row[j] = row[j] / scale
 
@@ -390,13 +390,13 @@ def _divide(row, scale):
 # none; an arithmetic fence held the order too but left the loop scalar
 @numba.njit(fastmath=_FLAGS - {"reassoc"})
 def _shift_twice(row, shift, log_total, out):
-    _full_vector_width()
+    full_vector_width()
     for j in range(row.shape[0]):
         out[j] = (row[j] - shift) - log_total
 
 
 def _softmax_rows(x, out, mode):
-    _full_vector_width()
+    full_vector_width()
     n = x.shape[0]
     zero = x.dtype.type(0)
     # the empty output of the sum-only passes: a view of the writable out, not of x, since x
