@@ -32,9 +32,8 @@ from numba.extending import intrinsic
 
 from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
                             online_softmax_tile)
-from .cpu_blas import layout_of
+from .cblas import ROW_MAJOR, layout_of
 
-_ROW_MAJOR = 101
 _layout = numba.njit(layout_of)
 
 
@@ -65,7 +64,7 @@ def _gemm(typingctx, address, wide, trans_a, trans_b, m, n, k, a, lda, b, ldb, b
                                                            blasint, real, ptr, blasint, ptr,
                                                            blasint, real, ptr, blasint])
                     fn = builder.inttoptr(address_, fnty.as_pointer())
-                    builder.call(fn, [i32(_ROW_MAJOR), builder.trunc(ta, i32),
+                    builder.call(fn, [i32(ROW_MAJOR), builder.trunc(ta, i32),
                                       builder.trunc(tb, i32), integer(m_), integer(n_),
                                       integer(k_), real(1.0), a_, integer(lda_), b_,
                                       integer(ldb_), beta_, c_, integer(ldc_)])
@@ -81,7 +80,7 @@ def _gemm(typingctx, address, wide, trans_a, trans_b, m, n, k, a, lda, b, ldb, b
 def _product(gemm, wide, m, n, k, a, a_step, a_col, b, b_step, b_col, beta, c, c_step, size):
     """``c = a @ b + beta * c`` of an (m, k) ``a`` and a (k, n) ``b`` at the given addresses,
     with rows and columns the given bytes apart (``c``'s columns contiguous): the call
-    :func:`.cpu_blas.product` makes for the same views (:func:`.cpu_blas.layout_of`)."""
+    :func:`.cpu_blas.product` makes for the same views (:func:`.cblas.layout_of`)."""
     ta, lda = _layout(m, k, a_step, a_col, size)
     tb, ldb = _layout(k, n, b_step, b_col, size)
     _, ldc = _layout(m, n, c_step, size, size)

@@ -51,12 +51,11 @@ import numpy as np
 
 from .. import _environment
 from .._cache_files import write_json_atomically
+from .cblas import NO_TRANS, ROW_MAJOR, layout_of
 from .cpu_runtime import cache_sizes, cpu_model, score_tile, single_threaded_blas
 
-__all__ = ["chosen", "product", "available", "describe", "reset", "layout_of"]
+__all__ = ["chosen", "product", "available", "describe", "reset"]
 
-# CBLAS's enums (cblas.h): C ints whatever the integer width of the library
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 # MKL's service functions (mkl_service.h)
 _MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
 _MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_SUCCESS = 2, 0x10000, 0
@@ -127,13 +126,13 @@ class Cblas:
         if m == 0 or n == 0 or k == 0 or not out.flags.writeable:
             return False
         ta, tb, oc = _layout(a), _layout(b), _layout(out)
-        if ta is None or tb is None or oc is None or oc[0] != _NO_TRANS:
+        if ta is None or tb is None or oc is None or oc[0] != NO_TRANS:
             return False
         if max(m, n, k, ta[1], tb[1], oc[1]) > self._int_max:
             return False
         if np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return False
-        fn(_ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, a.ctypes.data, ta[1], b.ctypes.data,
+        fn(ROW_MAJOR, ta[0], tb[0], m, n, k, 1.0, a.ctypes.data, ta[1], b.ctypes.data,
            tb[1], 1.0 if add else 0.0, out.ctypes.data, oc[1])
         return True
 
@@ -151,7 +150,7 @@ class Cblas:
             return False
         layouts = [_layout(x[0]) for x in (a, b, out)]
         strides = [x.strides[0] // x.itemsize for x in (a, b, out)]
-        if (any(x is None for x in layouts) or layouts[2][0] != _NO_TRANS
+        if (any(x is None for x in layouts) or layouts[2][0] != NO_TRANS
                 or any(x.strides[0] % x.itemsize or x.strides[0] < 0 for x in (a, b, out))
                 or any(x.shape[0] > 1 and x.strides[0] == 0 for x in (a, b, out))
                 or max(g, m, n, k, *strides, *(x[1] for x in layouts)) > self._int_max):
@@ -159,7 +158,7 @@ class Cblas:
         if np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return False
         (ta, lda), (tb, ldb), (_, ldc) = layouts
-        fn(_ROW_MAJOR, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, strides[0], b.ctypes.data,
+        fn(ROW_MAJOR, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, strides[0], b.ctypes.data,
            ldb, strides[1], 1.0 if add else 0.0, out.ctypes.data, ldc, strides[2], g)
         return True
 
@@ -171,22 +170,6 @@ def _layout(x):
         return None
     flag, ld = layout_of(x.shape[0], x.shape[1], x.strides[0], x.strides[1], x.itemsize)
     return None if flag == 0 else (flag, ld)
-
-
-def layout_of(rows, cols, row_step, col_step, size):
-    """``(transpose flag, leading dimension)`` of a ``rows x cols`` matrix of ``size``-byte
-    elements ``row_step`` and ``col_step`` bytes apart, as row-major CBLAS reads it; ``(0, 0)``
-    when neither dimension is contiguous. Plain integers in and out, so that compiled callers
-    (:mod:`._task_kernels`) make the calls this module makes, to the bit."""
-    if col_step == size or cols == 1:
-        ld = row_step // size if rows > 1 else cols
-        if rows == 1 or (row_step % size == 0 and ld >= cols):
-            return _NO_TRANS, max(ld, 1)
-    if row_step == size or rows == 1:
-        ld = col_step // size if cols > 1 else rows
-        if cols == 1 or (col_step % size == 0 and ld >= rows):
-            return _TRANS, max(ld, 1)
-    return 0, 0
 
 
 def product(a, b, out=None, *, add=False):
