@@ -77,6 +77,22 @@ def test_genomics_benchmark_prints_native_beside_dense(tmp_path):
         assert float(cells[11]) < 1e-4                   # both compute the same logits
 
 
+def test_task_loops_prints_both_forms_of_each_pass():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "task_loops.py"), "--quick", "--one-core",
+         "--dtypes", "float32"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("BLAS: ") and "one core" in lines[0]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines
+            if line.startswith(("| forward |", "| backward |"))]
+    assert sorted((r[0], r[4]) for r in rows) == [("backward", "no"), ("backward", "yes"),
+                                                   ("forward", "no"), ("forward", "yes")]
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 and float(r[7]) > 0 for r in rows)
+
+
 def test_tile_profile_prints_each_step_of_a_tile():
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tile_profile.py"), "--quick",

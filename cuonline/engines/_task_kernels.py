@@ -1,25 +1,33 @@
 """Compiled task loops of the NumPy engine (numba): a query block's whole walk over its key
 tiles, the BLAS products called from compiled code.
 
-The engine's Python loop (:func:`cuonline.engines.numpy._online`) spends, per key tile, a few
-tens of microseconds between its calls: the score pipeline, the window band, a ctypes call per
-product (about 7 µs each), a new score tile. On a 512 x 512 float32 tile at D = 64 that is a
-tenth of the tile's time, and on the diagonal tile of causal attention, whose products run per
-group of 128 rows (eight calls instead of two), a third. :func:`forward_task` runs the same
-steps in one compiled call that holds no GIL: for each tile, ``q kᵀ`` by ``cblas_?gemm``
-(over the columns each group of rows may see, as :meth:`.numpy_scores.ScorePipeline.row_spans`
-chooses them), :func:`._tile_kernels.online_softmax_tile`, and ``P v`` added into the
-output by ``cblas_?gemm`` again, with one score buffer for the task. The products are the same
-calls on the same library with the same shapes as the Python loop's, so the results are the
-same to the bit (the tests compare them).
+The engine's Python loop (:func:`cuonline.engines.numpy._online`) spends, per key tile, tens
+of microseconds between its calls (the score pipeline, the window band, a ctypes call of about
+7 µs per product, a new score tile), more on the diagonal tile of causal attention, whose
+products run per group of 128 rows, and it holds the GIL meanwhile, so the engine's threads
+wait on each other. :func:`forward_task` runs a query block's walk in one compiled call that
+holds no GIL: for each tile, ``q kᵀ`` by ``cblas_?gemm`` (over the columns each group of rows
+may see, :meth:`.numpy_scores.ScorePipeline.row_spans`' rule), the tile kernel
+:func:`._tile_kernels.online_softmax_tile`, and ``P v`` added into the output by
+``cblas_?gemm``, with one score buffer for the task. :func:`backward_block` does the same for
+the query tiles of one key block of the backward (:mod:`.numpy_backward`): its five products
+and :func:`._tile_kernels.backward_tile`. The products are the Python loop's calls on the same
+library with the same shapes, transposes and leading dimensions (:func:`.cblas.layout_of`, the
+one map from views to CBLAS's arguments, compiled here too), so the results are the same to
+the bit; ``tests/test_task_kernels.py`` compares them. Measured on a 2-core AMD EPYC
+(docs/performance.md, machine B's kind): 0.8-1.0 of the Python loop's time on one core,
+0.65-0.99 on two threads, the most for causal attention.
 
-It takes the plain score only (scale and the window band) and operands whose rows CBLAS reads
-as they are; the engine keeps its Python loop for every other case.
+They take the plain score only (the scale and the window band; ``kv_lengths`` shortens the
+key range before them) and operands whose rows CBLAS reads in place; the backward's also every
+operand finite and every row seeing a key, and it hands a tile whose P or dS is not finite
+back to the Python loop, which keeps NaN in the rows it belongs to. Every other case is the
+Python loop's.
 
 The library is called through its function's address (:meth:`.cpu_blas.Cblas.address`),
-passed as an integer so that the compiled code is cached on disk like the tile kernels' and
-serves any library of the same integer width: an LLVM ``inttoptr`` and a C call
-(:func:`_gemm`), CBLAS's row-major interface with 32- or 64-bit integers.
+passed as an integer, so that the compiled code is cached on disk like the tile kernels' and
+serves any library: :func:`_gemm` is an LLVM ``inttoptr`` and a C call of CBLAS's row-major
+``?gemm``, compiled for 32- and for 64-bit integers, the flag ``wide`` choosing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""The NumPy engine's compiled task loops against its Python loops, in one process.
+
+    python benchmarks/task_loops.py --one-core          # one thread, CPU time
+    python benchmarks/task_loops.py                     # the engine's threads, wall time
+    python benchmarks/task_loops.py --quick             # tiny sizes (CI smoke run)
+
+For the plain score the forward walks a query block's key tiles in one compiled call
+(``cuonline/engines/_task_kernels.py``: ``forward_task``) and the backward does a key block's
+query tiles in one (``backward_block``), BLAS called from compiled code; every other call runs
+the engine's Python loop over the same tiles, with the same products and the same bits. This
+script runs each case both ways, alternating the two within the process (the compiled form
+switched off through the engine's ``_compiled_walk`` and ``_compiled_block``, as
+``tests/test_task_kernels.py`` does), and prints each form's best GFLOP/s and the ratio of the
+median times, compiled / Python loop: below 1 is the compiled form's gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+import numpy as np
+from bench_cpu import blas_ceiling, print_machine, use_one_core
+
+import cuonline
+from cuonline.engines import numpy as forward
+from cuonline.engines import numpy_backward as backward
+
+COMPILED = (forward._compiled_walk, backward._compiled_block)
+
+
+def use(form):
+    """Run the engine's compiled task loops (``"compiled"``) or its Python loops."""
+    if form == "compiled":
+        forward._compiled_walk, backward._compiled_block = COMPILED
+    else:
+        forward._compiled_walk = lambda *args: False
+        backward._compiled_block = lambda *args: 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="calls of each form per case, alternated (default 5)")
+    parser.add_argument("--one-core", action="store_true",
+                        help="one thread each, timed as this process's CPU time")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.dims, args.heads, args.rounds = [300], [16], 2, 2
+    workers = use_one_core() if args.one_core else None
+    clock = time.process_time if args.one_core else time.perf_counter
+    ceilings = {dt: blas_ceiling(dt, 1 if args.quick else 3) for dt in args.dtypes}
+    print_machine("The compiled task loops against the Python loops, B=1 H="
+                  f"{args.heads}" + (", one core, CPU time" if args.one_core else ", wall time"),
+                  ceilings, with_torch=importlib.util.find_spec("torch") is not None)
+    print("| pass | N | D | dtype | causal | Python loop GFLOP/s | compiled GFLOP/s "
+          "| time compiled / Python |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for dtype in args.dtypes:
+        for n in args.lengths:
+            for d in args.dims:
+                q, k, v = (rng.standard_normal((1, args.heads, n, d)).astype(dtype)
+                           for _ in range(3))
+                for causal in (False, True):
+                    out, lse = cuonline.attention(q, k, v, causal=causal, return_lse=True)
+                    dout = rng.standard_normal(out.shape).astype(dtype)
+                    calls = {
+                        "forward": lambda: cuonline.attention(
+                            q, k, v, causal=causal, workers=workers),
+                        "backward": lambda: cuonline.attention_backward(
+                            dout, q, k, v, out, lse, causal=causal, workers=workers),
+                    }
+                    for name, call in calls.items():
+                        times = {"python": [], "compiled": []}
+                        for r in range(args.rounds + 1):        # the first round warms up
+                            for form in ("python", "compiled")[::1 if r % 2 else -1]:
+                                use(form)
+                                start = clock()
+                                call()
+                                if r:
+                                    times[form].append(clock() - start)
+                        use("compiled")
+                        flop = 4 * args.heads * n * n * d / (2 if causal else 1)
+                        flop *= 2.5 if name == "backward" else 1
+                        rate = {f: flop / min(ts) / 1e9 for f, ts in times.items()}
+                        ratio = (statistics.median(times["compiled"])
+                                 / statistics.median(times["python"]))
+                        print(f"| {name} | {n} | {d} | {dtype} | {'yes' if causal else 'no'} "
+                              f"| {rate['python']:.1f} | {rate['compiled']:.1f} "
+                              f"| {ratio:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
