@@ -7,8 +7,9 @@ softmax family (:mod:`.softmax`); nothing here knows what a task computes.
 * :func:`run_tasks`: ``[fn(t) for t in tasks]`` on a shared thread pool, BLAS held to one
   thread meanwhile, results independent of the thread count;
 * :func:`tile_kernel`: a compiled kernel of :mod:`._tile_kernels` or :mod:`._task_kernels`
-  (numba), or None where it is unavailable (the engines then run their ufunc passes); ``use_compiled_kernels = False``
-  forces the ufunc passes and ``compiled_kernels`` holds what was compiled (tests set both);
+  (numba), or None where it is unavailable (the engines then run their ufunc passes or Python
+  loops); ``use_compiled_kernels = False`` forces the ufunc passes and ``compiled_kernels``
+  holds what was compiled (tests set both);
 * :func:`cache_sizes` and :func:`score_tile`: the caches this machine reports and the tile
   shape they give, so the engines size their tiles for the machine they run on;
 * :func:`machine`: what a benchmark figure depends on (CPU model, instruction sets that numba

@@ -296,8 +296,8 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
 
 
 def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
-    """:func:`_online`'s loop (not careful) as one compiled call, :func:`._task_kernels.forward_task`,
-    where it applies: the plain score with its scaled queries at hand, key and value rows that
+    """:func:`_online`'s loop (not careful) as one compiled call
+    (:func:`._task_kernels.forward_task`) where it applies: the plain score with its scaled queries at hand, key and value rows that
     CBLAS reads as they are, and a BLAS library loaded for CBLAS. The same products and tile
     kernel, so the same bits; True when it ran (``m``, ``l``, ``o`` updated in place)."""
     acc_t = p.acc_dtype
