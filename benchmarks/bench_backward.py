@@ -30,7 +30,8 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import best_seconds, blas_ceiling, print_machine, use_one_core
+from bench_cpu import (best_seconds, blas_ceiling, case_arguments, print_machine,
+                       use_one_core)
 
 import cuonline
 
@@ -60,10 +61,7 @@ def torch_backward():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
-    parser.add_argument("--heads", type=int, default=8)
+    case_arguments(parser)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--memory-length", type=int, default=16384)
     parser.add_argument("--one-core", action="store_true",

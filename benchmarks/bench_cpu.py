@@ -181,13 +181,20 @@ def blas_ceiling(dtype, repeat, n=2048):
     return max(CEILING_SOURCES[dtype].values())
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def case_arguments(parser):
+    """The case grid the CPU benchmarks share: ``--lengths``, ``--dims``, ``--dtypes`` and
+    ``--heads`` (inputs of shape (1, heads, N, D)), with the defaults of the tables in
+    docs/performance.md."""
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
-    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--heads", type=int, default=8)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    case_arguments(parser)
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--naive-limit-gib", type=float, default=1.0)
     parser.add_argument("--memory-length", type=int, default=32768)

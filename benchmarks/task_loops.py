@@ -22,7 +22,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_cpu import blas_ceiling, print_machine, use_one_core
+from bench_cpu import blas_ceiling, case_arguments, print_machine, use_one_core
 
 import cuonline
 from cuonline.engines import numpy as forward
@@ -42,10 +42,7 @@ def use(form):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
-    parser.add_argument("--heads", type=int, default=8)
+    case_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5,
                         help="calls of each form per case, alternated (default 5)")
     parser.add_argument("--one-core", action="store_true",

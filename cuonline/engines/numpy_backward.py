@@ -206,6 +206,8 @@ class _Element:
         self.kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         self._pipelines = {}
         self._band = None
+        # the compiled key blocks' case: the plain score, every row seeing a key
+        self.plain = plain_score(p) and not self.dead.any()
 
     def band(self, p):
         """``(lo, hi)``: row ``i`` may see the keys ``[lo[i], hi[i])`` by the window band."""
@@ -339,12 +341,12 @@ def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part)
     and the caller's loop does the rest)."""
     acc = p.acc_dtype
     blas = chosen()
-    if not tiles or blas is None or not plain_score(p) or e.dead.any():
+    if not tiles or not e.plain or blas is None:
         return 0
     if not all(blas.reads_rows(x, acc) for x in (e.qs, e.do, k_blk, v_blk) + grads):
         return 0
-    kernel = tile_kernel(acc, "backward_block")
-    if kernel is None or tile_kernel(acc, "backward_tile") is None:
+    kernel = tile_kernel(acc, "backward_block")     # compiles backward_tile within it
+    if kernel is None:
         return 0
     n = max(i1 - i0 for i0, i1, _, _ in tiles)
     w = max(je - js for _, _, js, je in tiles)
