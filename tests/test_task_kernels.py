@@ -171,6 +171,89 @@ def test_results_do_not_depend_on_the_thread_count(library, small_tiles, rng):
 
 
 # --------------------------------------------------------------------------------------------
+# a batch of short sequences: the elements' walks in one call
+
+@pytest.fixture
+def stacks(monkeypatch):
+    """Short sequences planned as stacks alike on every machine (512 x 512 tiles, 2 cores,
+    row groups of 16); returns the list of the compiled stack calls' outcomes (True: ran)."""
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 512)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 512)
+    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 16)
+    monkeypatch.setattr(numpy_engine, "workers", lambda: 2)
+    ran = []
+    original = numpy_engine._compiled_stack
+
+    def counted(*args):
+        o = original(*args)
+        ran.append(o is not None)
+        return o
+
+    monkeypatch.setattr(numpy_engine, "_compiled_stack", counted)
+    return ran
+
+
+def per_element(monkeypatch, fn):
+    """``fn()`` with one task per batch element (no stacks): each a compiled walk of its own."""
+    with monkeypatch.context() as m:
+        m.setattr(numpy_engine, "stack_plan", lambda p: None)
+        return fn()
+
+
+@on_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", sorted(BANDS))
+@pytest.mark.parametrize("batch, lq, lk, d, dv", [((3, 4), 40, 40, 8, 8),
+                                                  ((2, 5), 33, 70, 16, 5),
+                                                  ((7,), 100, 61, 1, 3)])
+def test_stacks_give_the_bits_of_a_task_per_element(library, stacks, monkeypatch, rng, dtype,
+                                                     band, batch, lq, lk, d, dv):
+    """Every element of every stack as its own task would give it: the same products (row
+    groups on the diagonal included), the same kernel, the output in its place."""
+    options = dict(BANDS[band])
+    options.pop("kv_lengths", None)                  # stacks take one key range for all
+    q = rng.standard_normal(batch + (lq, d)).astype(dtype) * 2
+    k = rng.standard_normal(batch + (lk, d)).astype(dtype) * 2
+    v = rng.standard_normal(batch + (lk, dv)).astype(dtype)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    assert stacks and all(stacks)
+    want, want_lse = per_element(
+        monkeypatch, lambda: cuonline.attention(q, k, v, return_lse=True, **options))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    check_attention(q, k, v, out, lse, options)
+
+
+@on_cblas
+def test_stacks_read_strided_and_shared_keys_in_place(library, stacks, monkeypatch, rng):
+    """Heads of a (B, L, H, D) layout (rows apart by H x D) and keys shared by groups of
+    query heads (a zero batch stride): each element's address from the batch strides."""
+    x = rng.standard_normal((3, 50, 4, 16)).astype(np.float32)
+    q = x.transpose(0, 2, 1, 3)                      # (3, 4, 50, 16), rows 64 apart
+    k = x[:, :, :1].transpose(0, 2, 1, 3)            # (3, 1, 50, 16): broadcast over heads
+    v = k[..., ::-1]                                 # columns reversed: CBLAS cannot read it
+    out = cuonline.attention(q, k, k[..., :8], causal=True)
+    assert stacks and all(stacks)
+    np.testing.assert_array_equal(out, per_element(
+        monkeypatch, lambda: cuonline.attention(q, k, k[..., :8], causal=True)))
+    check_attention(q, k, k[..., :8], out, None, {"causal": True})
+    stacks.clear()
+    out = cuonline.attention(q, k, v)
+    assert stacks and not any(stacks)                # the batched products take it
+    check_attention(q, k, v, out, None, {})
+
+
+@on_cblas
+def test_a_nan_in_a_stack_stays_in_the_rows_that_see_it(library, stacks, rng):
+    q, k, v = (rng.standard_normal((6, 30, 8)) for _ in range(3))
+    v[4, 10] = np.nan
+    out = cuonline.attention(q, k, v, causal=True)
+    assert stacks and all(stacks)
+    assert np.isfinite(out[[0, 1, 2, 3, 5]]).all() and np.isfinite(out[4, :10]).all()
+    assert np.isnan(out[4, 10:]).all()
+
+
+# --------------------------------------------------------------------------------------------
 # the backward's key blocks
 
 

@@ -180,6 +180,34 @@ gemm, wide : int, bool
 """
 
 
+def _forward_stack(q, ldq, q_step, ks, ldk, vs, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
+                   hi0, span_rows, gemm, wide):
+    for g in range(m.shape[0]):
+        forward_task(q + g * q_step, ldq, ks[g], ldk, vs[g], ldv, d, m[g], l[g], o[g], s, j_lo,
+                     j_hi, width, lo0, hi0, span_rows, gemm, wide)
+
+
+forward_stack = compiled(_forward_stack)
+forward_stack.__doc__ = """:func:`forward_task` for each batch element of a stack, in one call:
+the walk of a batch of short sequences (:func:`cuonline.engines.numpy.attend_stacked`), the
+same products and tile kernel per element as a task of its own, with no Python between the
+elements.
+
+Parameters
+----------
+q, ldq, q_step : int
+    Address of element 0's scaled queries (n, d), their row stride, and the step in bytes
+    from one element's queries to the next.
+ks, vs : (G,) int64 arrays
+    Addresses of key row 0 and value row 0 of each element; ``ldk``, ``ldv``: their row
+    strides in elements (the same for every element).
+m, l, o : arrays (G, n), (G, n), (G, n, dv), C-ordered
+    Each element's running max, sum and unnormalised output, updated.
+
+The other parameters are :func:`forward_task`'s, shared by the elements (one window band).
+"""
+
+
 def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
                     q_part, gemm, wide):
@@ -297,7 +325,15 @@ def _warm_up_forward(dtype):
                  0, False)
 
 
+def _warm_up_stack(dtype):
+    none = np.zeros(0, np.int64)
+    forward_stack(0, 1, 0, none, 1, none, 1, 1, np.zeros((0, 0), dtype), np.zeros((0, 0), dtype),
+                  np.zeros((0, 0, 1), dtype), np.zeros(1, dtype), 0, 1, 1, none, none, 128, 0,
+                  False)
+
+
 _WARM_UP = {"forward_task": (forward_task, _warm_up_forward),
+            "forward_stack": (forward_stack, _warm_up_stack),
             "backward_block": (backward_block, _warm_up_backward)}
 
 

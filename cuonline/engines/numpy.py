@@ -76,11 +76,15 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
     lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
     stacks = stack_plan(p)
     if stacks is not None:
+        # a stack is a run of consecutive elements: one slice of the (fresh, C-ordered) results
+        flat_out = out.reshape((p.nbatch, p.lq, p.dv))
+        flat_lse = lse.reshape((p.nbatch, p.lq))
+
         def run_stack(task):
             elements, j0, j1 = task
-            o, s = attend_stacked(p, elements, j0, j1)
-            for n, b in enumerate(elements):
-                out[b], lse[b] = o[n], s[n]
+            first = int(np.ravel_multi_index(elements[0], p.batch_shape))
+            flat_out[first:first + len(elements)], flat_lse[first:first + len(elements)] = (
+                attend_stacked(p, elements, j0, j1))
 
         run_tasks(stacks, run_stack, n_workers)
         return out, (lse if p.return_lse else None)
@@ -170,29 +174,65 @@ def stack_plan(p):
 def attend_stacked(p, elements, j0, j1):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, Lq, Dv)`` and
     ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``, all in one key
-    tile: :func:`_attend`'s steps on the stack, each product one batched call (BLAS per
-    element, the same products as :func:`_attend`'s). An element whose output is not finite is
-    redone by :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
+    tile: :func:`_attend`'s steps on the stack. Where :func:`_compiled_walk` would take the
+    elements, their walks run in one compiled call (:func:`_compiled_stack`: each element's
+    products and tile kernel those of a task of its own, so the same bits, and no GIL held);
+    else each product is one batched call (BLAS per element, the same products as
+    :func:`_attend`'s Python loop). An element whose output is not finite is redone by
+    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     acc_t = p.acc_dtype
     g, n, w = len(elements), p.lq, j1 - j0
     queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
     pipeline = ScorePipeline(p, elements[0], 0, n, queries=queries[0])   # the band only
-    keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
-    values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
-    s = product(queries, keys.transpose(0, 2, 1))
-    m = np.full(g * n, -np.inf, dtype=acc_t)
-    l = np.zeros(g * n, dtype=acc_t)
-    lo, hi = pipeline.window_columns(j0, w)
-    # one tile: no output to rescale yet, so the kernel gets a zero-width one
-    tile_kernel(acc_t)(s.reshape(g * n, w), m, l, np.empty((g * n, 0), dtype=acc_t),
-                       np.tile(lo, g), np.tile(hi, g))
-    o = product(s, values)
+    m = np.full((g, n), -np.inf, dtype=acc_t)
+    l = np.zeros((g, n), dtype=acc_t)
+    o = _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l)
+    if o is None:
+        keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
+        values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
+        s = product(queries, keys.transpose(0, 2, 1))
+        lo, hi = pipeline.window_columns(j0, w)
+        # one tile: no output to rescale yet, so the kernel gets a zero-width one
+        tile_kernel(acc_t)(s.reshape(g * n, w), m.reshape(g * n), l.reshape(g * n),
+                           np.empty((g * n, 0), dtype=acc_t), np.tile(lo, g), np.tile(hi, g))
+        o = product(s, values)
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(o).all(axis=(1, 2))
-    o, lse = _normalised(m.reshape(g, n), l.reshape(g, n), o, acc_t)
+    o, lse = _normalised(m, l, o, acc_t)
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
     return o, lse
+
+
+def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
+    """The unnormalised outputs ``(G, Lq, Dv)`` of a stack's elements after their walks over
+    keys ``[j0, j1)`` in one compiled call (:func:`._task_kernels.forward_stack`), ``m`` and
+    ``l`` updated in place; None (nothing done) where :func:`_compiled_walk` would not take
+    them: scaled ``queries`` ``(G, Lq, D)``, the plain score of every stack."""
+    acc_t = p.acc_dtype
+    blas = chosen()
+    stack = None if blas is None else tile_kernel(acc_t, "forward_stack")
+    # every element is a view of one array with the same strides: its first tells for all
+    if (stack is None or not blas.reads_rows(queries[0], acc_t)
+            or not all(x.flags.aligned and blas.reads_rows(x[elements[0]], acc_t)
+                       for x in (p.k, p.v))):
+        return None
+    size, (g, n, d) = acc_t.itemsize, queries.shape
+    o = np.zeros((g, n, p.dv), dtype=acc_t)
+    width = key_tile(n, *blocks(acc_t))
+    lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
+    stack(queries.ctypes.data, d, queries.strides[0], _addresses(p.k, elements),
+          p.k.strides[-2] // size, _addresses(p.v, elements), p.v.strides[-2] // size, d, m,
+          l, o, np.empty(n * width, dtype=acc_t), j0, j1, width, lo, hi, SPAN_ROWS,
+          blas.address(acc_t), blas.wide)
+    return o
+
+
+def _addresses(x, elements):
+    """The addresses of the matrices ``x[b]`` of the batch ``elements`` (index tuples) of an
+    array ``x`` of shape ``S + (L, D)``, as int64."""
+    index = np.array(elements, dtype=np.int64).reshape(len(elements), -1)
+    return x.ctypes.data + index @ np.array(x.strides[:-2], dtype=np.int64)
 
 
 def plain_score(p):
