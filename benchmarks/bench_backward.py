@@ -30,8 +30,8 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import (best_seconds, blas_ceiling, case_arguments, print_machine,
-                       use_one_core)
+from bench_cpu import (best_seconds, blas_ceiling, case_arguments, min_seconds_argument,
+                       print_machine, use_min_seconds, use_one_core)
 
 import cuonline
 
@@ -63,6 +63,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     case_arguments(parser)
     parser.add_argument("--repeat", type=int, default=2)
+    min_seconds_argument(parser)
     parser.add_argument("--memory-length", type=int, default=16384)
     parser.add_argument("--one-core", action="store_true",
                         help="everything on one thread, timed as CPU time (bench_cpu.py's)")
@@ -73,6 +74,7 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.dims, args.heads, args.repeat = [256], [64], 2, 1
         args.memory_length = 1024
+    use_min_seconds(0 if args.quick else args.min_seconds)
 
     prepare = torch_backward()
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
