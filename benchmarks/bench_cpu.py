@@ -100,14 +100,14 @@ def print_machine(title, ceilings, with_torch):
               f"{name} {x:.1f}" for name, x in CEILING_SOURCES.get(dt, {}).items()) + ")"
               for dt, g in ceilings.items()))
     print(f"numpy {np.__version__}; {torch}; numba target {info['numba']}")
-    print(f"times: the best of {'at least ' if MIN_SECONDS else ''}--repeat runs after one "
-          "warm-up" + (f", and of more until a case's runs add up to {MIN_SECONDS:g} s "
-                       f"(at most {MAX_REPEAT})" if MIN_SECONDS else ""))
     caches = info["caches"]
     print("caches per core: " + ", ".join(f"{k} {v // 1024} KiB" for k, v in caches.items())
           + "; tiles (rows x keys): " + ", ".join(
               f"{dt} forward {'x'.join(map(str, forward.blocks(dt)))} backward "
               f"{'x'.join(map(str, backward.blocks(dt)))}" for dt in ceilings))
+    print(f"times: the best of {'at least ' if MIN_SECONDS else ''}--repeat runs after one "
+          "warm-up" + (f", and of more until a case's runs add up to {MIN_SECONDS:g} s "
+                       f"(at most {MAX_REPEAT})" if MIN_SECONDS else ""))
 
 
 # what best_seconds reads: wall time, or with --one-core this process's CPU time

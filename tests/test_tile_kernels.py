@@ -577,6 +577,7 @@ def test_benchmark_preamble_prints_the_machine(monkeypatch, capsys):
     rows, keys = numpy_engine.blocks(np.float32)
     assert lines[5].startswith("caches per core: L1d")
     assert f"float32 forward {rows}x{keys}" in lines[5]
+    assert lines[6].startswith("times: the best of")
 
 
 
