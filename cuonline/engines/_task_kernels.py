@@ -9,7 +9,9 @@ wait on each other. :func:`forward_task` runs a query block's walk in one compil
 holds no GIL: for each tile, ``q kᵀ`` by ``cblas_?gemm`` (over the columns each group of rows
 may see, :meth:`.numpy_scores.ScorePipeline.row_spans`' rule), the tile kernel
 :func:`._tile_kernels.online_softmax_tile`, and ``P v`` added into the output by
-``cblas_?gemm``, with one score buffer for the task. :func:`backward_block` does the same for
+``cblas_?gemm``, with one score buffer for the task; :func:`forward_stack` runs it for each
+element of a stack of short sequences (:func:`cuonline.engines.numpy.attend_stacked`), one
+call per stack. :func:`backward_block` does the same for
 the query tiles of one key block of the backward (:mod:`.numpy_backward`): its five products
 and :func:`._tile_kernels.backward_tile`. The products are the Python loop's calls on the same
 library with the same shapes, transposes and leading dimensions (:func:`.cblas.layout_of`, the

@@ -3,8 +3,8 @@
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
 there are too few such tasks to keep every core busy); the block and tile shapes come from the
 machine's L2 cache (:func:`blocks`). A batch of short sequences (each element's queries one
-block, its keys one tile) runs as stacks of elements instead, one batched product per step
-(:func:`stack_plan`). Each task walks its keys in tiles of ``BLOCK_K`` and
+block, its keys one tile) runs as stacks of elements instead (:func:`stack_plan`, one
+compiled call per stack). Each task walks its keys in tiles of ``BLOCK_K`` and
 keeps, per query row, the online-softmax state in natural units:
 
     m  running max of the scores seen so far
@@ -148,8 +148,9 @@ def stack_plan(p):
     When every query of a batch element fits one block and every key it sees one tile, a task
     per element would spend as long in Python between its two small products as in them
     (measured at L = 256: about 100 us of each 280 us task). Such a batch runs as stacks of
-    elements instead, each stack one batched product per step (:func:`attend_stacked`), as
-    many elements per stack as fill one score tile, and at least as many stacks as cores. It
+    consecutive elements (in the C order of the batch shape) instead, each stack one compiled
+    call or one batched product per step (:func:`attend_stacked`), as many elements per stack
+    as fill one score tile, and at least as many stacks as cores. It
     takes the plain score only (the scale and the window band): a call with any array option
     or a soft cap goes through :func:`plan`.
     """
