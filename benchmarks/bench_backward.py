@@ -30,8 +30,8 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import (best_seconds, blas_ceiling, case_arguments, min_seconds_argument,
-                       print_machine, use_min_seconds, use_one_core)
+from bench_cpu import (best_seconds, blas_ceiling, case_arguments, check_ceilings,
+                       min_seconds_argument, print_machine, use_min_seconds, use_one_core)
 
 import cuonline
 
@@ -107,6 +107,7 @@ def main(argv=None):
         geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"cuonline / torch over {len(ratios)} cases: geometric mean {geomean:.2f}, "
               f"worst {min(ratios):.2f}")
+    check_ceilings(ceilings, args.repeat)
 
     n, d = args.memory_length, 64
     q, k, v, dout = (rng.standard_normal((1, n, d), dtype=np.float32) for _ in range(4))

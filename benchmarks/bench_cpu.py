@@ -219,6 +219,26 @@ def case_arguments(parser):
     parser.add_argument("--heads", type=int, default=8)
 
 
+# The ceiling measured again after the cases may differ from the first by this fraction
+# before a run's figures count as taken on a machine whose speed held.
+CEILING_DRIFT = 0.15
+
+
+def check_ceilings(ceilings, repeat):
+    """Measure the BLAS ceilings again and print them beside the first ones (``ceilings``):
+    on a shared machine a neighbour's load can halve a core's speed for a minute, and a table
+    taken then says so here rather than passing for the machine's figures."""
+    again = {dt: blas_ceiling(dt, repeat) for dt in ceilings}
+    drift = max(abs(again[dt] / ceilings[dt] - 1) for dt in ceilings)
+    verdict = ("steady" if drift <= CEILING_DRIFT else
+               f"moved by {drift:.0%}: the machine's speed changed during this run, "
+               "do not quote its figures")
+    print("BLAS ceiling again after the cases: " + ", ".join(
+        f"{dt} {again[dt]:.1f} GFLOP/s (first {ceilings[dt]:.1f})" for dt in ceilings)
+        + f"; {verdict}")
+    return drift <= CEILING_DRIFT
+
+
 def use_min_seconds(seconds):
     """What :func:`best_seconds` takes for ``min_seconds`` from now on."""
     global MIN_SECONDS
@@ -293,6 +313,7 @@ def main(argv=None):
         geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"cuonline / torch over {len(ratios)} cases: geometric mean {geomean:.2f}, "
               f"worst {min(ratios):.2f}")
+    check_ceilings(ceilings, args.repeat)
 
     if args.few_queries:
         few_queries(args, torch_run, torch_path, rng)

@@ -37,10 +37,28 @@ def test_cpu_benchmark_prints_side_by_side_figures(tmp_path):
         assert all("flash_attention" in row for row in rows)
         assert "geometric mean" in result.stdout
     assert "memory: N=1024" in result.stdout
+    assert any(line.startswith("BLAS ceiling again after the cases: float32 ")
+               for line in lines)
     assert sum(line.startswith("| softmax") or line.startswith("| log") for line in lines) == 6
     assert sum(line.startswith("|  16 |") or line.startswith("|   1 |") for line in lines) == 2
     svg = (tmp_path / "plot.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<polyline") >= 2   # cuonline and naive
+
+
+@pytest.mark.parametrize("again, steady", [(90.0, True), (40.0, False), (130.0, False)])
+def test_a_ceiling_that_moved_during_a_run_marks_its_figures(monkeypatch, capsys, again,
+                                                             steady):
+    """The ceiling measured after the cases (here 90, 40 or 130 GFLOP/s against 100 before):
+    within CEILING_DRIFT the run is steady; else the report says not to quote it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_cpu
+
+    monkeypatch.setattr(bench_cpu, "blas_ceiling", lambda dtype, repeat: again)
+    assert bench_cpu.check_ceilings({"float32": 100.0}, 1) is steady
+    out = capsys.readouterr().out
+    assert out.startswith(f"BLAS ceiling again after the cases: float32 {again:.1f} GFLOP/s "
+                          "(first 100.0)")
+    assert ("steady" in out) is steady and ("do not quote" in out) is not steady
 
 
 def test_gpu_report_table():

@@ -222,10 +222,10 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
     o = np.zeros((g, n, p.dv), dtype=acc_t)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
+    scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the one tile's
     stack(queries.ctypes.data, d, queries.strides[0], _addresses(p.k, elements),
           p.k.strides[-2] // size, _addresses(p.v, elements), p.v.strides[-2] // size, d, m,
-          l, o, np.empty(n * width, dtype=acc_t), j0, j1, width, lo, hi, SPAN_ROWS,
-          blas.address(acc_t), blas.wide)
+          l, o, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
     return o
 
 
@@ -338,9 +338,10 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
 
 def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
     """:func:`_online`'s loop (not careful) as one compiled call
-    (:func:`._task_kernels.forward_task`) where it applies: the plain score with its scaled queries at hand, key and value rows that
-    CBLAS reads as they are, and a BLAS library loaded for CBLAS. The same products and tile
-    kernel, so the same bits; True when it ran (``m``, ``l``, ``o`` updated in place)."""
+    (:func:`._task_kernels.forward_task`) where it applies: the plain score with its scaled
+    queries at hand, key and value rows that CBLAS reads as they are, and a BLAS library
+    loaded for CBLAS. The same products and tile kernel, so the same bits; True when it ran
+    (``m``, ``l``, ``o`` updated in place)."""
     acc_t = p.acc_dtype
     blas = chosen()
     q, k, v = pipeline.queries, p.k[b], p.v[b]
@@ -352,10 +353,10 @@ def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
         return False
     size = acc_t.itemsize
     lo, hi = pipeline.window_columns(0, j_hi)     # key indices, not tile columns
+    scores = np.empty(q.shape[0] * min(width, j_hi - j_lo), dtype=acc_t)  # the widest tile's
     task(q.ctypes.data, q.strides[0] // size, k.ctypes.data, k.strides[0] // size,
-         v.ctypes.data, v.strides[0] // size, q.shape[1], m, l, o,
-         np.empty(q.shape[0] * width, dtype=acc_t), j_lo, j_hi, width, lo, hi, SPAN_ROWS,
-         blas.address(acc_t), blas.wide)
+         v.ctypes.data, v.strides[0] // size, q.shape[1], m, l, o, scores, j_lo, j_hi, width,
+         lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
     return True
 
 
