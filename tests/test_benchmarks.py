@@ -45,6 +45,22 @@ def test_cpu_benchmark_prints_side_by_side_figures(tmp_path):
     assert svg.startswith("<svg") and svg.count("<polyline") >= 2   # cuonline and naive
 
 
+def test_backward_benchmark_prints_side_by_side_figures():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--quick"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = result.stdout.splitlines()
+    assert lines[3].startswith("BLAS ceiling") and lines[6].startswith("times: ")
+    rows = [line for line in lines if line.startswith("|   256 |")]
+    assert len(rows) == 2 and all(float(row.split("|")[4]) > 0 for row in rows)
+    if importlib.util.find_spec("torch") is not None:  # torch's autograd node is printed
+        assert all("FlashAttention" in row for row in rows)
+    assert any(line.startswith("BLAS ceiling again after the cases: ") for line in lines)
+    assert "memory: N=1024" in result.stdout
+
+
 @pytest.mark.parametrize("again, steady", [(90.0, True), (40.0, False), (130.0, False)])
 def test_a_ceiling_that_moved_during_a_run_marks_its_figures(monkeypatch, capsys, again,
                                                              steady):
