@@ -47,6 +47,29 @@ def python_loop(monkeypatch, fn):
         return fn()
 
 
+def inputs(rng, batch, lq, lk, d, dv, dtype):
+    """``q, k, v`` of shapes ``batch + (L, D)``, the scores spread (x 4) so that the running
+    max moves from tile to tile."""
+    return (rng.standard_normal(batch + (lq, d)).astype(dtype) * 2,
+            rng.standard_normal(batch + (lk, d)).astype(dtype) * 2,
+            rng.standard_normal(batch + (lk, dv)).astype(dtype))
+
+
+def assert_same_bits(qkv, options, ran, reference):
+    """``cuonline.attention`` on ``qkv`` took the compiled path every time (``ran``: the
+    outcomes its counter recorded), gives the bits of ``reference(call)`` (the same call by
+    another path) and the oracle's result."""
+    def call():
+        return cuonline.attention(*qkv, return_lse=True, **options)
+
+    out, lse = call()
+    assert ran and all(ran)
+    want, want_lse = reference(call)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    check_attention(*qkv, out, lse, options)
+
+
 BANDS = {
     "plain": {},
     "causal": {"causal": True},
@@ -68,17 +91,8 @@ def test_same_bits_as_the_python_loop(library, small_tiles, monkeypatch, rng, dt
     options = dict(BANDS[band])
     if "kv_lengths" in options:
         options["kv_lengths"] = np.minimum(options["kv_lengths"], lk)
-    q = rng.standard_normal((2, lq, d)).astype(dtype) * 2
-    k = rng.standard_normal((2, lk, d)).astype(dtype) * 2
-    v = rng.standard_normal((2, lk, dv)).astype(dtype)
-    ran = walks(monkeypatch)
-    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
-    assert ran and all(ran)
-    want, want_lse = python_loop(
-        monkeypatch, lambda: cuonline.attention(q, k, v, return_lse=True, **options))
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(lse, want_lse)
-    check_attention(q, k, v, out, lse, options)
+    assert_same_bits(inputs(rng, (2,), lq, lk, d, dv, dtype), options, walks(monkeypatch),
+                     lambda call: python_loop(monkeypatch, call))
 
 
 @on_cblas
@@ -212,16 +226,8 @@ def test_stacks_give_the_bits_of_a_task_per_element(library, stacks, monkeypatch
     groups on the diagonal included), the same kernel, the output in its place."""
     options = dict(BANDS[band])
     options.pop("kv_lengths", None)                  # stacks take one key range for all
-    q = rng.standard_normal(batch + (lq, d)).astype(dtype) * 2
-    k = rng.standard_normal(batch + (lk, d)).astype(dtype) * 2
-    v = rng.standard_normal(batch + (lk, dv)).astype(dtype)
-    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
-    assert stacks and all(stacks)
-    want, want_lse = per_element(
-        monkeypatch, lambda: cuonline.attention(q, k, v, return_lse=True, **options))
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(lse, want_lse)
-    check_attention(q, k, v, out, lse, options)
+    assert_same_bits(inputs(rng, batch, lq, lk, d, dv, dtype), options, stacks,
+                     lambda call: per_element(monkeypatch, call))
 
 
 @on_cblas

@@ -52,9 +52,10 @@ import numpy as np
 from .. import _environment
 from .._cache_files import write_json_atomically
 from .cblas import NO_TRANS, ROW_MAJOR, layout_of
-from .cpu_runtime import cache_sizes, cpu_model, score_tile, single_threaded_blas
+from .cpu_runtime import (cache_sizes, cpu_model, score_tile, single_threaded_blas,
+                          tile_kernel)
 
-__all__ = ["chosen", "product", "available", "describe", "reset"]
+__all__ = ["chosen", "compiled_task", "product", "available", "describe", "reset"]
 
 # MKL's service functions (mkl_service.h)
 _MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
@@ -326,6 +327,19 @@ def available(name):
         if name not in _loaded:
             _loaded[name] = _LOADERS[name]()
         return _loaded[name]
+
+
+def compiled_task(dtype, name, operands):
+    """``(library, kernel)`` for a compiled task loop that calls CBLAS itself
+    (:mod:`._task_kernels`' ``name``, compiled for ``dtype``) on the 2-d ``operands``, passed
+    to it as row-0 addresses and row steps: the chosen library when it is a CBLAS and reads
+    every operand's rows in place, and the kernel where it compiles; None otherwise (the
+    engines' Python loops then run)."""
+    blas = chosen()
+    if blas is None or not all(blas.reads_rows(x, dtype) for x in operands):
+        return None
+    kernel = tile_kernel(dtype, name)
+    return None if kernel is None else (blas, kernel)
 
 
 def chosen():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _options, _semantics
-from .cpu_blas import chosen, product
+from .cpu_blas import compiled_task, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
@@ -211,14 +211,12 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
     ``l`` updated in place; None (nothing done) where :func:`_compiled_walk` would not take
     them: scaled ``queries`` ``(G, Lq, D)``, the plain score of every stack."""
     acc_t = p.acc_dtype
-    blas = chosen()
-    stack = None if blas is None else tile_kernel(acc_t, "forward_stack")
     # every element is a view of one array with the same strides: its first tells for all
-    if (stack is None or not blas.reads_rows(queries[0], acc_t)
-            or not all(x.flags.aligned and blas.reads_rows(x[elements[0]], acc_t)
-                       for x in (p.k, p.v))):
+    first = (queries[0], p.k[elements[0]], p.v[elements[0]])
+    found = compiled_task(acc_t, "forward_stack", first)
+    if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
         return None
-    size, (g, n, d) = acc_t.itemsize, queries.shape
+    (blas, stack), size, (g, n, d) = found, acc_t.itemsize, queries.shape
     o = np.zeros((g, n, p.dv), dtype=acc_t)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
@@ -343,15 +341,12 @@ def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
     loaded for CBLAS. The same products and tile kernel, so the same bits; True when it ran
     (``m``, ``l``, ``o`` updated in place)."""
     acc_t = p.acc_dtype
-    blas = chosen()
     q, k, v = pipeline.queries, p.k[b], p.v[b]
-    if (blas is None or q is None or not plain_score(p)
-            or not all(blas.reads_rows(x, acc_t) for x in (q, k, v))):
+    found = (None if q is None or not plain_score(p)
+             else compiled_task(acc_t, "forward_task", (q, k, v)))
+    if found is None:
         return False
-    task = tile_kernel(acc_t, "forward_task")
-    if task is None:
-        return False
-    size = acc_t.itemsize
+    (blas, task), size = found, acc_t.itemsize
     lo, hi = pipeline.window_columns(0, j_hi)     # key indices, not tile columns
     scores = np.empty(q.shape[0] * min(width, j_hi - j_lo), dtype=acc_t)  # the widest tile's
     task(q.ctypes.data, q.strides[0] // size, k.ctypes.data, k.strides[0] // size,

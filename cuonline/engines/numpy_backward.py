@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
-from .cpu_blas import chosen, product
+from .cpu_blas import compiled_task, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .numpy import plain_score
 from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
@@ -340,14 +340,12 @@ def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part)
     many tiles it did (0: it did not apply; fewer than all: a tile's P or dS was not finite,
     and the caller's loop does the rest)."""
     acc = p.acc_dtype
-    blas = chosen()
-    if not tiles or not e.plain or blas is None:
+    # backward_block compiles backward_tile within it
+    found = (None if not tiles or not e.plain
+             else compiled_task(acc, "backward_block", (e.qs, e.do, k_blk, v_blk) + grads))
+    if found is None:
         return 0
-    if not all(blas.reads_rows(x, acc) for x in (e.qs, e.do, k_blk, v_blk) + grads):
-        return 0
-    kernel = tile_kernel(acc, "backward_block")     # compiles backward_tile within it
-    if kernel is None:
-        return 0
+    blas, kernel = found
     n = max(i1 - i0 for i0, i1, _, _ in tiles)
     w = max(je - js for _, _, js, je in tiles)
     lo, hi = e.band(p)
