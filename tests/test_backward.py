@@ -584,3 +584,20 @@ def test_the_row_sum_rule_itself():
     r = _lse_check.product_bound(np, q, k, 0.5, kv_lengths=np.array([2]))
     np.testing.assert_allclose(r, [[0.5 * 5 * 2, 0.5 * 1 * 2]])
     np.testing.assert_allclose(_lse_check.product_bound(np, q, k, 0.5), r)   # NaN row left out
+
+
+def test_the_product_bound_of_float32_inputs_is_an_upper_bound(rng):
+    """Norms summed in float32 (the fast path) never fall below float64's, and squares that
+    overflow float32 (|x| ~ 1e20) are summed in float64 instead of becoming inf."""
+    from cuonline import _lse_check
+
+    q = rng.standard_normal((3, 50, 64)).astype(np.float32) * 7
+    k = rng.standard_normal((3, 40, 64)).astype(np.float32) * 3
+    got = _lse_check.product_bound(np, q, k, 0.125)
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    exact = 0.125 * np.linalg.norm(q64, axis=-1) * np.linalg.norm(k64, axis=-1).max(-1)[:, None]
+    assert got.dtype == np.float64 and (got >= exact).all()
+    np.testing.assert_allclose(got, exact, rtol=1e-4)
+    q[1, 3] = 1e20
+    got = _lse_check.product_bound(np, q, k, 0.125)
+    assert np.isfinite(got).all() and got[1, 3] > 1e20 * 7

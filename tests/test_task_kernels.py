@@ -369,3 +369,134 @@ def test_backward_score_terms_take_the_python_loop(library, small_backward_tiles
     got = cuonline.attention_backward(out, q, q, q, out, lse, **options)
     assert done and not any(done)
     check_gradients(got, out, q, q, q, options)
+
+
+# --------------------------------------------------------------------------------------------
+# the backward of a batch of short sequences: stacks of elements in one call
+
+
+@pytest.fixture
+def backward_stacks(monkeypatch):
+    """Short sequences planned as stacks alike on every machine (512 x 256 tiles, 2 cores,
+    row groups of 16); returns the list of ``(elements done, elements given)`` of the
+    compiled stack calls."""
+    from cuonline.engines import numpy_backward
+
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 512)
+    monkeypatch.setattr(numpy_backward, "BLOCK_K", 256)
+    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
+    monkeypatch.setattr(numpy_backward, "workers", lambda: 2)
+    calls = []
+    original = numpy_backward._compiled_stack
+
+    def counted(bp, elements, *args):
+        done = original(bp, elements, *args)
+        calls.append((done, len(elements)))
+        return done
+
+    monkeypatch.setattr(numpy_backward, "_compiled_stack", counted)
+    return calls
+
+
+def backward_per_element(monkeypatch, fn):
+    """``fn()`` with one task per group of batch elements (no stacks)."""
+    from cuonline.engines import numpy_backward
+
+    with monkeypatch.context() as m:
+        m.setattr(numpy_backward, "_stacks", lambda p, groups: None)
+        return fn()
+
+
+def gradients_case(rng, q, k, v, options):
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    return rng.standard_normal(out.shape).astype(out.dtype), q, k, v, out, lse
+
+
+@on_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", ["plain", "causal", "window", "left window"])
+@pytest.mark.parametrize("batch, lq, lk, d, dv", [((3, 4), 40, 40, 8, 8),
+                                                  ((2, 5), 33, 70, 16, 5),
+                                                  ((7,), 61, 100, 1, 3)])
+def test_backward_stacks_give_the_bits_of_a_task_per_element(
+        library, backward_stacks, monkeypatch, rng, dtype, band, batch, lq, lk, d, dv):
+    """Every element's gradients and row sums as its own task would give them (the row
+    groups of the diagonal tile included), each in its own slot."""
+    options = BANDS[band]
+    case = gradients_case(rng, *inputs(rng, batch, lq, lk, d, dv, dtype), options)
+    got = cuonline.attention_backward(*case, **options)
+    assert backward_stacks and all(done == n for done, n in backward_stacks)
+    assert len(backward_stacks) == 2                       # one stack per core
+    same_gradients(got, backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(*case, **options)))
+    if d > 1:
+        # d = 1 (scale 1, logits up to ~30): dQ's error is often 10x the naive one's on every
+        # path, the Python loop's included: P = exp(s - lse) carries the rounding of lse
+        # (an ulp of |lse|) into every row's sum, which the Delta trick does not cancel
+        check_gradients(got, case[0], *case[1:4], options)
+
+
+@on_cblas
+def test_backward_stacks_add_shared_keys_in_order(library, backward_stacks, monkeypatch, rng):
+    """Keys and values shared by groups of query heads (a zero batch stride) in a (B, L, H, D)
+    layout: a group's heads add into one dK/dV slot, in the order a task per group adds."""
+    x = rng.standard_normal((3, 50, 4, 16)).astype(np.float32)
+    q = x.transpose(0, 2, 1, 3)                      # (3, 4, 50, 16), rows 64 apart
+    k = x[:, :, :1].transpose(0, 2, 1, 3)            # (3, 1, 50, 16): shared by 4 heads
+    v = k[..., :8]
+    case = gradients_case(rng, q, k, v, {"causal": True})
+    got = cuonline.attention_backward(*case, causal=True)
+    assert backward_stacks and all(done == n for done, n in backward_stacks)
+    assert got.dk.shape == k.shape and got.dv.shape == v.shape
+    same_gradients(got, backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(*case, causal=True)))
+    check_gradients(got, case[0], q, k, v, {"causal": True})
+
+
+@on_cblas
+def test_a_nan_stops_a_backward_stack_at_its_element(library, backward_stacks, monkeypatch,
+                                                     rng):
+    """NaN in element 5's values reaches its dS: the stack stops there, the elements from it
+    on are done one by one, and NaN stays in the gradients of what saw it."""
+    case = gradients_case(rng, *inputs(rng, (8,), 30, 30, 8, 8, np.float64), {"causal": True})
+    dout, q, k, v, out, lse = case
+    v[5, 10] = np.nan
+    got = cuonline.attention_backward(*case, causal=True)
+    assert sorted(backward_stacks) == [(1, 4), (4, 4)]     # element 5: the second of 4..7
+    assert np.isnan(got.dq[5, 10:]).all() and np.isfinite(got.dq[5, :10]).all()
+    assert np.isnan(got.dk[5, 10]).all() and np.isfinite(np.delete(got.dk[5], 10, 0)).all()
+    others = [0, 1, 2, 3, 4, 6, 7]
+    assert all(np.isfinite(g[others]).all() for g in (got.dq, got.dk, got.dv))
+    same_gradients(got, backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(*case, causal=True)))
+
+
+@on_cblas
+@pytest.mark.parametrize("case", ["rows that see no key", "a NaN query", "columns",
+                                  "float16"])
+def test_backward_stacks_step_aside(library, backward_stacks, monkeypatch, rng, case):
+    """Rows that see no key (causal, more queries than keys), a non-finite operand and
+    operands CBLAS cannot read in place: the stack does nothing and each element takes its
+    own path, with the right gradients."""
+    lq = 50 if case == "rows that see no key" else 30
+    q, k, v = inputs(rng, (4,), lq, 30, 8, 8, np.float32)
+    if case == "float16":
+        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    elif case == "columns":
+        k = np.asfortranarray(k.transpose(1, 2, 0)).transpose(2, 0, 1)
+    options = {"causal": True}
+    dout, q, k, v, out, lse = gradients_case(rng, q, k, v, options)
+    if case == "a NaN query":
+        q = q.copy()
+        q[2, 3, 0] = np.nan
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    if case == "a NaN query":                # the stack of elements 2 and 3 only
+        assert sorted(backward_stacks) == [(0, 2), (2, 2)]
+    else:
+        assert backward_stacks and all(done == 0 for done, _ in backward_stacks)
+    want = backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(dout, q, k, v, out, lse, **options))
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    if case != "a NaN query":
+        check_gradients(got, dout, q, k, v, options)

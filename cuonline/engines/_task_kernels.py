@@ -184,6 +184,7 @@ gemm, wide : int, bool
 
 def _forward_stack(q, ldq, q_step, ks, ldk, vs, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
                    hi0, span_rows, gemm, wide):
+    full_vector_width()              # the inlined loops keep their width
     for g in range(m.shape[0]):
         forward_task(q + g * q_step, ldq, ks[g], ldk, vs[g], ldv, d, m[g], l[g], o[g], s, j_lo,
                      j_hi, width, lo0, hi0, span_rows, gemm, wide)
@@ -313,6 +314,50 @@ int
 """
 
 
+
+def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d, dv, dqs,
+                    lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums,
+                    span_rows, gemm, wide):
+    full_vector_width()
+    for g in range(lse.shape[0]):
+        done = backward_block(tiles, q + g * q_step, ldq, do + g * do_step, ldo, ks[g], ldk,
+                              vs[g], ldv, d, dv, dqs[g], lddq, dks[g], lddk, dvs[g], lddv,
+                              lse[g], delta[g], sums[g], lo0, hi0, s, ds, row_sums, span_rows,
+                              True, True, gemm, wide)
+        if done < tiles.shape[0]:
+            return g
+    return lse.shape[0]
+
+
+backward_stack = compiled(_backward_stack)
+backward_stack.__doc__ = """:func:`backward_block` for each batch element of a stack, in one
+call: the backward of a batch of short sequences
+(:func:`cuonline.engines.numpy_backward.stacked_gradients`), each element's tiles, products
+and tile kernel those of a task of its own, in the stack's order, with no Python between the
+elements.
+
+Parameters
+----------
+tiles : (T, 4) int64 array
+    The tiles of every element (one window band), as :func:`backward_block`'s.
+q, ldq, q_step; do, ldo, do_step : int
+    Address of element 0's scaled queries (output gradient), their row stride in elements
+    and the step in bytes from one element's to the next.
+ks, vs, dqs, dks, dvs : (G,) int64 arrays
+    Addresses of row 0 of each element's keys, values and gradient slots; ``ld*``: their row
+    strides in elements (the same for every element).
+lse, delta, sums : (G, n) arrays
+    Each element's rows' log-sum-exp, ``Delta`` and sums of P (added to).
+
+The other parameters are :func:`backward_block`'s; both parts are added.
+
+Returns
+-------
+int
+    The elements done: fewer than G where a tile of the next element had a P or dS not all
+    finite (nothing of that element added; the caller does it and those after it).
+"""
+
 def _warm_up_backward(dtype):
     z = np.zeros(1, dtype)
     none = np.zeros(0, np.int64)
@@ -334,9 +379,18 @@ def _warm_up_stack(dtype):
                   False)
 
 
+
+def _warm_up_backward_stack(dtype):
+    z = np.zeros((0, 1), dtype)
+    none = np.zeros(0, np.int64)
+    backward_stack(np.zeros((0, 4), np.int64), 0, 1, 0, 0, 1, 0, none, 1, none, 1, 1, 1, none,
+                   1, none, 1, none, 1, z, z, z, none, none, np.zeros(1, dtype),
+                   np.zeros(1, dtype), np.zeros(1, dtype), 128, 0, False)
+
 _WARM_UP = {"forward_task": (forward_task, _warm_up_forward),
             "forward_stack": (forward_stack, _warm_up_stack),
-            "backward_block": (backward_block, _warm_up_backward)}
+            "backward_block": (backward_block, _warm_up_backward),
+            "backward_stack": (backward_stack, _warm_up_backward_stack)}
 
 
 def compile_for(name, dtype):

@@ -229,9 +229,12 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
 
 def _addresses(x, elements):
     """The addresses of the matrices ``x[b]`` of the batch ``elements`` (index tuples) of an
-    array ``x`` of shape ``S + (L, D)``, as int64."""
+    array ``x`` of shape ``S + (L, D)``, as int64; an axis of ``S`` of length 1 is taken as
+    broadcast (index 0 whatever ``b`` says: the slot of a gradient buffer)."""
     index = np.array(elements, dtype=np.int64).reshape(len(elements), -1)
-    return x.ctypes.data + index @ np.array(x.strides[:-2], dtype=np.int64)
+    lead = index.shape[1]
+    strides = np.where(np.array(x.shape[:lead]) == 1, 0, x.strides[:lead]).astype(np.int64)
+    return x.ctypes.data + index @ strides
 
 
 def plain_score(p):

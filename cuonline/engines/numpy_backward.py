@@ -36,9 +36,9 @@ from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
 from .cpu_blas import compiled_task, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
-from .numpy import plain_score
-from .numpy_scores import (ScorePipeline, blas_ready, skewed, spanned_product,
-                           visible_product)
+from .numpy import _addresses, plain_score
+from .numpy_scores import (SLICE_BYTES, ScorePipeline, blas_ready, skewed,
+                           spanned_product, visible_product)
 
 if TYPE_CHECKING:
     from .._validate import BackwardProblem
@@ -78,8 +78,7 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     # each row's sum of P and, for rows given lse = -inf, whether the row sees a key: written
     # by the one task that owns the row's dQ (disjoint rows), checked once all are done
     sums = RowSums(p)
-    run_tasks(tasks, lambda task: [_one_batch_element(bp, b, buffers, sums, *task[1:])
-                                   for b in task[0]], n_workers,
+    run_tasks(tasks, lambda task: _run_task(bp, task, buffers, sums), n_workers,
               cost=lambda task: _task_area(p, task))
     sums.check(bp)
     # dQ and dK were summed without the scale (it is folded into the scaled queries for dK)
@@ -88,11 +87,22 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     return gradients_of(grads)
 
 
+def _run_task(bp, task, buffers, sums):
+    """Add one task's gradients (a task of :func:`_plan`) into ``buffers``."""
+    elements, part, key_block, query_block = task
+    done = 0
+    if part == "stack":
+        done, part = _compiled_stack(bp, elements, buffers, sums), "all"
+    for b in elements[done:]:
+        _one_batch_element(bp, b, buffers, sums, part, key_block, query_block)
+
+
 def _plan(p, targets):
     """The tasks: ``(batch elements, part, key block, query block)``.
 
     With at least as many groups (:func:`_groups`) as cores, a task is one group, all of it
-    (``part`` "all": the five products of each tile once). With fewer, the work is cut finer
+    (``part`` "all": the five products of each tile once), or, for a batch of short sequences,
+    a stack of groups (``part`` "stack", see :func:`_stacks`). With fewer, the work is cut finer
     in two kinds of task that write disjoint gradients: "kv" tasks, one per group of elements
     sharing ``k``/``v`` and block of ``BLOCK_K`` keys, give dK and dV; "q" tasks, one per
     group of the others and block of ``BLOCK_Q`` queries (all queries when a bias-like
@@ -105,6 +115,9 @@ def _plan(p, targets):
     block_q, block_k = blocks(p.acc_dtype)
     n_tiles = -(-p.lq // block_q) * -(-p.lk // block_k)
     if len(groups) >= workers() or n_tiles < 2:
+        stacks = _stacks(p, groups) if n_tiles == 1 else None
+        if stacks is not None:
+            return [(elements, "stack", None, None) for elements in stacks]
         return [(g, "all", None, None) for g in groups]
     tasks = []
     kv = {n: targets[n] for n in ("k", "v")}
@@ -121,6 +134,55 @@ def _plan(p, targets):
         else:
             tasks.append((g, "q", None, None))
     return tasks
+
+
+def _stacks(p, groups):
+    """The groups joined into stacks of consecutive groups (each stack's elements in the
+    groups' order: the order of their sums), or None where a task per group is as good.
+
+    A batch element of a short sequence is one tile, five small products, and a task per
+    element spends as long in Python around them as in them (at L = 128: 68 us of each
+    162 us). A stack runs its elements' tiles in one compiled call
+    (:func:`._task_kernels.backward_stack`); there are as many stacks as cores (more where
+    the stacked copies of the elements' queries and output gradients would pass
+    ``SLICE_BYTES``). It takes the plain score over every key (no ``kv_lengths``) and one
+    tile of keys that some row sees.
+    """
+    if p.nbatch < 2 or not plain_score(p) or p.kv_lengths is not None:
+        return None
+    if (len(_block_tiles(p, 0, p.lk)) != 1
+            or tile_kernel(p.acc_dtype, "backward_stack") is None):
+        return None
+    # as many stacks as cores; the stacked copies of the queries, output gradients and
+    # outputs stay small
+    copies = p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize
+    per_stack = min(-(-p.nbatch // workers()), SLICE_BYTES // max(copies, 1))
+    if per_stack < 2:
+        return None
+    stacks = [[]]
+    for g in groups:
+        if stacks[-1] and len(stacks[-1]) + len(g) > per_stack:
+            stacks.append([])
+        stacks[-1] += g
+    return stacks
+
+
+def _block_tiles(p, j0, j1, query_block=None):
+    """``[(i0, i1, js, je), ...]``: the query tiles that see a key of the block ``[j0, j1)``
+    (only the one from ``query_block``, unless None) and the keys ``[js, je)`` of the block
+    that any of their rows may see."""
+    block_q = blocks(p.acc_dtype)[0]
+    r0, r1 = _visible_query_range(j0, j1, p)
+    tiles = []
+    for i0 in range(r0 // block_q * block_q, r1, block_q):
+        if query_block is not None and i0 != query_block:
+            continue
+        i1 = min(i0 + block_q, p.lq)
+        a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window, p.diagonal_offset)
+        js, je = max(a, j0), min(z, j1)
+        if js < je:
+            tiles.append((i0, i1, js, je))
+    return tiles
 
 
 def _task_area(p, task):
@@ -146,26 +208,28 @@ def _groups(batch_shape, targets):
     C order of their first element. The plan depends on the problem only, never on the
     thread count."""
     elements = list(np.ndindex(*batch_shape))
-    parent = list(range(len(elements)))
-
-    def root(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    if len(elements) < 2:
+        return [elements] if elements else []
+    index = np.indices(batch_shape, dtype=np.intp).reshape(len(batch_shape), len(elements))
+    slots = []                  # per input, the flat slot each element adds into
     for t in targets.values():
-        first = {}
-        for n, b in enumerate(elements):
-            slot = t.slot(b)
-            if slot in first:
-                a, c = root(first[slot]), root(n)
-                parent[max(a, c)] = min(a, c)
-            else:
-                first[slot] = n
+        lead = np.array(t.padded(len(batch_shape))[:len(batch_shape)], dtype=np.intp)
+        slots.append(np.ravel_multi_index(np.where(lead[:, None] == 1, 0, index), lead))
+    # each element's group: the first (smallest) element joined to it through shared slots,
+    # found by passing the least label through every slot until nothing changes
+    label = np.arange(len(elements))
+    while True:
+        joined = label
+        for slot in slots:
+            least = np.full(slot.max(initial=0) + 1, len(elements))
+            np.minimum.at(least, slot, joined)
+            joined = least[slot]
+        if np.array_equal(joined, label):
+            break
+        label = joined
     groups = {}
-    for n, b in enumerate(elements):
-        groups.setdefault(root(n), []).append(b)
+    for n, first in enumerate(label.tolist()):
+        groups.setdefault(first, []).append(elements[n])
     return [groups[r] for r in sorted(groups)]
 
 
@@ -189,9 +253,7 @@ class _Element:
         self.b = b
         self.qs = blas_ready(p.q[b], acc) * acc.type(p.scale)       # (Lq, D), scaled
         self.do = np.ascontiguousarray(blas_ready(bp.dout[b], acc))   # (Lq, Dv)
-        with np.errstate(invalid="ignore", over="ignore"):
-            # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
-            self.delta = np.einsum("ij,ij->i", self.do, blas_ready(bp.out[b], acc))
+        self.delta = _delta(self.do, np.ascontiguousarray(blas_ready(bp.out[b], acc)))
         # the right-hand operands of the products, checked once: finite ones take the plain
         # product (see visible_product)
         self.qs_finite = bool(np.isfinite(self.qs).all())
@@ -221,6 +283,13 @@ class _Element:
         if pipeline is None:
             pipeline = self._pipelines[i0] = ScorePipeline(p, self.b, i0, i1, self.qs[i0:i1])
         return pipeline
+
+
+def _delta(do, out):
+    """``Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij`` of C-ordered ``(..., Lq, Dv)``
+    arrays (each row summed as one contiguous run: the same bits stacked or not)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.einsum("...ij,...ij->...i", do, out)
 
 
 class RowSums:
@@ -266,25 +335,15 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
     slots = {name: t[name].slot(b) for name in t}
     dq, dk, dv = (buffers[n][slots[n]] for n in ("q", "k", "v"))     # (Lq, D), (Lk, D), (Lk, Dv)
     kv_part, q_part = part in ("all", "kv"), part in ("all", "q")
-    block_q, block_k = blocks(acc)
+    block_k = blocks(acc)[1]
     for j0 in range(0, e.kv_len, block_k):                 # keys past kv_lengths: never read
         if key_block is not None and j0 != key_block:
             continue
         j1 = min(j0 + block_k, e.kv_len)
-        r0, r1 = _visible_query_range(j0, j1, p)
         k_blk = blas_ready(e.k[j0:j1], acc)                           # (bk, D)
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
         k_finite = bool(np.isfinite(k_blk).all())
-        tiles = []                                # (i0, i1, js, je) of the query tiles
-        for i0 in range(r0 // block_q * block_q, r1, block_q):
-            if query_block is not None and i0 != query_block:
-                continue
-            i1 = min(i0 + block_q, p.lq)
-            a, z = _semantics.visible_key_range(i0, i1, p.lq, p.lk, p.window,
-                                                p.diagonal_offset)
-            js, je = max(a, j0), min(z, j1)
-            if js < je:
-                tiles.append((i0, i1, js, je))
+        tiles = _block_tiles(p, j0, j1, query_block)
         done = 0
         if e.do_finite and e.qs_finite and k_finite:
             done = _compiled_block(p, e, tiles, k_blk, v_blk, j0, (dq, dk, dv), sums,
@@ -360,6 +419,58 @@ def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part)
                   e.lse, e.delta, sums.sums[e.b], lo, hi, np.empty(n * w, acc),
                   np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, kv_part, q_part,
                   blas.address(acc), blas.wide)
+
+
+def _compiled_stack(bp, elements, buffers, sums):
+    """Add the gradients of the batch ``elements`` (a stack of :func:`_stacks`), in order, in
+    one compiled call (:func:`._task_kernels.backward_stack`: each element's tile, products
+    and tile kernel those of :func:`_compiled_block` for the element alone, so the same bits),
+    where it applies: every element's queries, output gradient and keys finite and every row
+    seeing a key, and the rows CBLAS reads in place (the first element's tells for all: one
+    array's views with the same strides). Returns how many elements it did; the caller does
+    the rest with :func:`_one_batch_element`."""
+    p = bp.forward
+    acc = p.acc_dtype
+    first = elements[0]
+    grads = [buffers[n][bp.targets[n].slot(first)] for n in ("q", "k", "v")]
+    index = tuple(np.array(elements, dtype=np.intp).reshape(len(elements), -1).T)
+
+    def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
+        return np.asarray(x[index], dtype=acc)
+
+    qs = stacked(p.q) * acc.type(p.scale)
+    do = stacked(bp.dout)
+    found = compiled_task(acc, "backward_stack", (qs[0], do[0], p.k[first], p.v[first],
+                                                   *grads))
+    if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
+        return 0
+    lse = np.broadcast_to(bp.lse, p.batch_shape + (p.lq,))[index].astype(acc, copy=False)
+    with np.errstate(invalid="ignore"):
+        finite = (np.isfinite(qs).all() and np.isfinite(do).all()
+                  and np.isfinite(p.k[index]).all())
+    if not finite or (lse == -np.inf).any():
+        return 0
+    delta = _delta(do, stacked(bp.out))
+    tiles = np.array(_block_tiles(p, 0, p.lk), dtype=np.int64).reshape(-1, 4)
+    lo, hi = ScorePipeline(p, first, 0, p.lq, qs[0]).window_columns(0, p.lk)
+    n, w = p.lq, int(tiles[0, 3] - tiles[0, 2])
+    row_sums = np.zeros(lse.shape, dtype=acc)
+    (blas, stack), size = found, acc.itemsize
+
+    def slots(name):
+        return _addresses(buffers[name], elements)
+
+    dq, dk, dv = grads
+    done = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
+                 do.shape[2], do.strides[0], _addresses(p.k, elements), p.k.strides[-2] // size,
+                 _addresses(p.v, elements), p.v.strides[-2] // size, p.d, p.dv, slots("q"),
+                 dq.strides[0] // size, slots("k"), dk.strides[0] // size, slots("v"),
+                 dv.strides[0] // size, lse, delta, row_sums, lo, hi, np.empty(n * w, acc),
+                 np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, blas.address(acc),
+                 blas.wide)
+    for g, b in enumerate(elements[:done]):
+        sums.sums[b] += row_sums[g]
+    return done
 
 
 class _Visibility:
