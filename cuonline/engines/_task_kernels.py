@@ -13,7 +13,8 @@ may see, :meth:`.numpy_scores.ScorePipeline.row_spans`' rule), the tile kernel
 element of a stack of short sequences (:func:`cuonline.engines.numpy.attend_stacked`), one
 call per stack. :func:`backward_block` does the same for
 the query tiles of one key block of the backward (:mod:`.numpy_backward`): its five products
-and :func:`._tile_kernels.backward_tile`. The products are the Python loop's calls on the same
+and :func:`._tile_kernels.backward_tile`; :func:`backward_stack` runs it for each element of a
+stack of short sequences. The products are the Python loop's calls on the same
 library with the same shapes, transposes and leading dimensions (:func:`.cblas.layout_of`, the
 one map from views to CBLAS's arguments, compiled here too), so the results are the same to
 the bit; ``tests/test_task_kernels.py`` compares them. Measured on a 2-core AMD EPYC

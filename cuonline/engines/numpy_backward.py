@@ -17,7 +17,9 @@ over batch elements joins them: a bias shared by every head makes one group of a
 each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A task walks its
 batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
 that may see them in tiles of ``BLOCK_Q`` (both sized from the machine's L2, see
-:func:`blocks`), adding each tile's part straight into the gradients.
+:func:`blocks`), adding each tile's part straight into the gradients. A batch of short
+sequences (each element one tile) runs as stacks of groups instead, each stack one compiled
+call (:func:`_stacks`).
 Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
 ``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
 (:mod:`cuonline._lse_check`). No gradient slot is
