@@ -55,7 +55,8 @@ from .cblas import NO_TRANS, ROW_MAJOR, layout_of
 from .cpu_runtime import (cache_sizes, cpu_model, score_tile, single_threaded_blas,
                           tile_kernel)
 
-__all__ = ["chosen", "compiled_task", "product", "available", "describe", "reset"]
+__all__ = ["chosen", "compiled_task", "batch_addresses", "product", "available", "describe",
+           "reset"]
 
 # MKL's service functions (mkl_service.h)
 _MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
@@ -340,6 +341,16 @@ def compiled_task(dtype, name, operands):
         return None
     kernel = tile_kernel(dtype, name)
     return None if kernel is None else (blas, kernel)
+
+
+def batch_addresses(x, elements):
+    """The addresses of the matrices ``x[b]`` of the batch ``elements`` (index tuples) of an
+    array ``x`` of shape ``S + (L, D)``, as int64; an axis of ``S`` of length 1 is taken as
+    broadcast (index 0 whatever ``b`` says: the slot of a gradient buffer)."""
+    index = np.array(elements, dtype=np.int64).reshape(len(elements), -1)
+    lead = index.shape[1]
+    strides = np.where(np.array(x.shape[:lead]) == 1, 0, x.strides[:lead]).astype(np.int64)
+    return x.ctypes.data + index @ strides
 
 
 def chosen():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _options, _semantics
-from .cpu_blas import compiled_task, product
+from .cpu_blas import batch_addresses, compiled_task, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
 from .merge import merge_states
 from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
@@ -221,20 +221,10 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
     width = key_tile(n, *blocks(acc_t))
     lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
     scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the one tile's
-    stack(queries.ctypes.data, d, queries.strides[0], _addresses(p.k, elements),
-          p.k.strides[-2] // size, _addresses(p.v, elements), p.v.strides[-2] // size, d, m,
+    stack(queries.ctypes.data, d, queries.strides[0], batch_addresses(p.k, elements),
+          p.k.strides[-2] // size, batch_addresses(p.v, elements), p.v.strides[-2] // size, d, m,
           l, o, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
     return o
-
-
-def _addresses(x, elements):
-    """The addresses of the matrices ``x[b]`` of the batch ``elements`` (index tuples) of an
-    array ``x`` of shape ``S + (L, D)``, as int64; an axis of ``S`` of length 1 is taken as
-    broadcast (index 0 whatever ``b`` says: the slot of a gradient buffer)."""
-    index = np.array(elements, dtype=np.int64).reshape(len(elements), -1)
-    lead = index.shape[1]
-    strides = np.where(np.array(x.shape[:lead]) == 1, 0, x.strides[:lead]).astype(np.int64)
-    return x.ctypes.data + index @ strides
 
 
 def plain_score(p):

@@ -36,9 +36,9 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
-from .cpu_blas import compiled_task, product
+from .cpu_blas import batch_addresses, compiled_task, product
 from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
-from .numpy import _addresses, plain_score
+from .numpy import plain_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, blas_ready, skewed,
                            spanned_product, visible_product)
 
@@ -459,17 +459,14 @@ def _compiled_stack(bp, elements, buffers, sums):
     row_sums = np.zeros(lse.shape, dtype=acc)
     (blas, stack), size = found, acc.itemsize
 
-    def slots(name):
-        return _addresses(buffers[name], elements)
+    def rows(x):                     # each element's row-0 address (a gradient: its slot's)
+        return batch_addresses(x, elements), x.strides[-2] // size
 
-    dq, dk, dv = grads
     done = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
-                 do.shape[2], do.strides[0], _addresses(p.k, elements), p.k.strides[-2] // size,
-                 _addresses(p.v, elements), p.v.strides[-2] // size, p.d, p.dv, slots("q"),
-                 dq.strides[0] // size, slots("k"), dk.strides[0] // size, slots("v"),
-                 dv.strides[0] // size, lse, delta, row_sums, lo, hi, np.empty(n * w, acc),
-                 np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, blas.address(acc),
-                 blas.wide)
+                 do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
+                 *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse, delta,
+                 row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
+                 np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide)
     for g, b in enumerate(elements[:done]):
         sums.sums[b] += row_sums[g]
     return done
