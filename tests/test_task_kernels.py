@@ -187,14 +187,19 @@ def test_results_do_not_depend_on_the_thread_count(library, small_tiles, rng):
 # --------------------------------------------------------------------------------------------
 # a batch of short sequences: the elements' walks in one call
 
+def plan_alike(monkeypatch, engine, keys):
+    """An engine module (the forward's or the backward's) planning alike on every machine:
+    tiles of 512 rows and ``keys`` keys, 2 cores, row groups of 16."""
+    for name, value in (("BLOCK_Q", 512), ("BLOCK_K", keys), ("SPAN_ROWS", 16)):
+        monkeypatch.setattr(engine, name, value)
+    monkeypatch.setattr(engine, "workers", lambda: 2)
+
+
 @pytest.fixture
 def stacks(monkeypatch):
-    """Short sequences planned as stacks alike on every machine (512 x 512 tiles, 2 cores,
-    row groups of 16); returns the list of the compiled stack calls' outcomes (True: ran)."""
-    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 512)
-    monkeypatch.setattr(numpy_engine, "BLOCK_K", 512)
-    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 16)
-    monkeypatch.setattr(numpy_engine, "workers", lambda: 2)
+    """Short sequences planned as stacks alike on every machine (512 x 512 tiles); returns
+    the list of the compiled stack calls' outcomes (True: ran)."""
+    plan_alike(monkeypatch, numpy_engine, 512)
     ran = []
     original = numpy_engine._compiled_stack
 
@@ -377,15 +382,11 @@ def test_backward_score_terms_take_the_python_loop(library, small_backward_tiles
 
 @pytest.fixture
 def backward_stacks(monkeypatch):
-    """Short sequences planned as stacks alike on every machine (512 x 256 tiles, 2 cores,
-    row groups of 16); returns the list of ``(elements done, elements given)`` of the
-    compiled stack calls."""
+    """Short sequences planned as stacks alike on every machine (512 x 256 tiles); returns
+    the list of ``(elements done, elements given)`` of the compiled stack calls."""
     from cuonline.engines import numpy_backward
 
-    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 512)
-    monkeypatch.setattr(numpy_backward, "BLOCK_K", 256)
-    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
-    monkeypatch.setattr(numpy_backward, "workers", lambda: 2)
+    plan_alike(monkeypatch, numpy_backward, 256)
     calls = []
     original = numpy_backward._compiled_stack
 
