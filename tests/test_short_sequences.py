@@ -105,3 +105,50 @@ def test_grouped_query_heads_in_16_bits(rng, dtype):
     out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
     assert out.dtype == dtype and lse.dtype == np.float32
     check_attention(q, k, v, out, lse, {"causal": True})
+
+
+# --------------------------------------------------------------------------------------------
+# the backward: stacks of the groups that share no gradient slot
+
+
+@pytest.fixture
+def backward_machine(monkeypatch):
+    """The backward's stacks planned alike on every machine (512 x 256 tiles, 2 cores)."""
+    from cuonline.engines import numpy_backward
+
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 512)
+    monkeypatch.setattr(numpy_backward, "BLOCK_K", 256)
+    monkeypatch.setattr(numpy_backward, "workers", lambda: 2)
+    return numpy_backward
+
+
+def backward_plan(backward, q, k, v, **options):
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    bp = _validate.validate_attention_backward(out, q, k, v, out, lse, **options)
+    return backward._plan(bp.forward, bp.targets)
+
+
+def test_backward_stacks_split_the_batch_evenly_and_keep_groups_whole(rng, backward_machine):
+    q, k, v = data(rng, (2, 6), 40, 40, 8)
+    tasks = backward_plan(backward_machine, q, k, v, causal=True)
+    assert [part for _, part, _, _ in tasks] == ["stack", "stack"]
+    assert [elements for elements, _, _, _ in tasks] == [list(np.ndindex(2, 6))[:6],
+                                                         list(np.ndindex(2, 6))[6:]]
+    # keys shared by the 3 heads of each of 4 groups: a group's heads add into one dK slot
+    # and stay in one stack, in C order
+    q = rng.standard_normal((4, 3, 40, 8)).astype(np.float32)
+    k = v = rng.standard_normal((4, 1, 40, 8)).astype(np.float32)
+    tasks = backward_plan(backward_machine, q, k, v)
+    assert [elements for elements, _, _, _ in tasks] == [list(np.ndindex(4, 3))[:6],
+                                                         list(np.ndindex(4, 3))[6:]]
+
+
+@pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
+                                     {"kv_lengths": np.array([3, 8, 8, 8])}], ids=str)
+def test_backward_score_terms_and_long_keys_take_a_task_per_group(rng, backward_machine,
+                                                                  options):
+    q, k, v = data(rng, (4,), 8, 8, 4)
+    assert {part for _, part, _, _ in backward_plan(backward_machine, q, k, v, **options)} == {
+        "all"}
+    q, k, v = data(rng, (4,), 8, 257, 4)                  # keys past one tile of 256
+    assert {part for _, part, _, _ in backward_plan(backward_machine, q, k, v)} == {"all"}

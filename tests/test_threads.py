@@ -244,3 +244,21 @@ def test_the_longest_tasks_start_first(rng, monkeypatch, workers):
     slack = workers - 1
     assert all(started[n] >= max(started[n + 1 + slack:], default=0)
                for n in range(len(started))), started
+
+
+@pytest.mark.parametrize("count, most, cores, lengths", [
+    (64, 21, 2, [16] * 4),            # not 21, 21, 21 and 1: one core would do 42
+    (64, 100, 2, [32, 32]),
+    (10, 4, 2, [2, 3, 2, 3]),         # each core 5
+    (6, 2, 2, [2, 2, 2]),             # not 1, 2, 1, 2: a run of one is no stack
+    (3, 8, 4, [1, 1, 1]),             # fewer elements than 2 cores: no stacks
+    (6, 8, 4, [2, 2, 2]),
+    (7, 0, 1, [1] * 7),
+])
+def test_stacks_give_every_core_the_same_share(count, most, cores, lengths):
+    from cuonline.engines.cpu_runtime import stacks_of
+
+    runs = stacks_of(count, most, cores)
+    assert [z - a for a, z in runs] == lengths
+    assert runs[0][0] == 0 and runs[-1][1] == count
+    assert all(a == z0 for (_, z0), (a, _) in zip(runs, runs[1:]))

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["workers", "run_tasks", "tile_kernel", "use_compiled_kernels", "compiled_kernels",
-           "cache_sizes", "score_tile", "machine", "blas_libraries", "single_threaded_blas",
-           "cpu_model"]
+__all__ = ["workers", "stacks_of", "run_tasks", "tile_kernel", "use_compiled_kernels",
+           "compiled_kernels", "cache_sizes", "score_tile", "machine", "blas_libraries",
+           "single_threaded_blas", "cpu_model"]
 
 
 def workers() -> int:
@@ -38,6 +38,20 @@ def workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - macOS, Windows
         return max(1, os.cpu_count() or 1)
+
+
+def stacks_of(count, most, cores):
+    """``[(start, stop), ...]``: ``count`` equal elements cut into runs of at most ``most``
+    (at least 1) and at least as many runs as ``cores``, their lengths differing by at most
+    one; as few runs as a multiple of ``cores`` allows, so that every core gets the same share
+    (64 elements, at most 21 a run, 2 cores: 4 runs of 16, not 21, 21, 21 and 1), unless that
+    would leave runs of one element (no stack at all): then the fewest runs."""
+    most = max(1, min(most, -(-count // cores)))
+    fewest = -(-count // most)
+    shared = -(-fewest // cores) * cores
+    runs = max(1, shared if count >= 2 * shared else fewest)
+    bounds = [count * i // runs for i in range(runs + 1)]
+    return [(a, z) for a, z in zip(bounds, bounds[1:]) if z > a]
 
 
 def run_tasks(tasks, fn, n_workers, cost=None):

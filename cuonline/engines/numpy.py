@@ -30,7 +30,8 @@ import numpy as np
 
 from .. import _options, _semantics
 from .cpu_blas import batch_addresses, compiled_task, product
-from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
+from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
+                          workers)
 from .merge import merge_states
 from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
 
@@ -149,8 +150,9 @@ def stack_plan(p):
     per element would spend as long in Python between its two small products as in them
     (measured at L = 256: about 100 us of each 280 us task). Such a batch runs as stacks of
     consecutive elements (in the C order of the batch shape) instead, each stack one compiled
-    call or one batched product per step (:func:`attend_stacked`), as many elements per stack
-    as fill one score tile, and at least as many stacks as cores. It
+    call or one batched product per step (:func:`attend_stacked`), at most as many elements
+    per stack as fill one score tile, in a multiple of the cores' count of stacks
+    (:func:`.cpu_runtime.stacks_of`). It
     takes the plain score only (the scale and the window band): a call with any array option
     or a soft cap goes through :func:`plan`.
     """
@@ -161,15 +163,16 @@ def stack_plan(p):
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
     if p.lq > block_q or j1 - j0 > key_tile(p.lq, block_q, block_k) or j1 == j0:
         return None
-    per_stack = min(block_q * block_k // (p.lq * (j1 - j0)), -(-p.nbatch // workers()))
-    if per_stack < 2:        # one element a stack: the general path, with its band spans
+    runs = stacks_of(p.nbatch, block_q * block_k // (p.lq * (j1 - j0)), workers())
+    if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
     # the stacked copies of q, k and v stay small (a head dimension in the millions, broadcast
     # from a few numbers, is multiplied in slices by the general path instead)
-    if per_stack * (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize > SLICE_BYTES:
+    most = max(z - a for a, z in runs)
+    if most * (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize > SLICE_BYTES:
         return None
     elements = list(np.ndindex(*p.batch_shape))
-    return [(elements[n:n + per_stack], j0, j1) for n in range(0, len(elements), per_stack)]
+    return [(elements[a:z], j0, j1) for a, z in runs]
 
 
 def attend_stacked(p, elements, j0, j1):

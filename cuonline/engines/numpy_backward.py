@@ -37,7 +37,8 @@ import numpy as np
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
 from .cpu_blas import batch_addresses, compiled_task, product
-from .cpu_runtime import cache_sizes, run_tasks, score_tile, tile_kernel, workers
+from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
+                          workers)
 from .numpy import plain_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, blas_ready, skewed,
                            spanned_product, visible_product)
@@ -145,9 +146,9 @@ def _stacks(p, groups):
     A batch element of a short sequence is one tile, five small products, and a task per
     element spends as long in Python around them as in them (at L = 128: 68 us of each
     162 us). A stack runs its elements' tiles in one compiled call
-    (:func:`._task_kernels.backward_stack`); there are as many stacks as cores (more where
-    the stacked copies of the elements' queries and output gradients would pass
-    ``SLICE_BYTES``). It takes the plain score over every key (no ``kv_lengths``) and one
+    (:func:`._task_kernels.backward_stack`); there are as many stacks as cores, or a
+    multiple of that where the stacked copies of the elements' queries, output gradients and
+    outputs would pass ``SLICE_BYTES`` (:func:`.cpu_runtime.stacks_of`). It takes the plain score over every key (no ``kv_lengths``) and one
     tile of keys that some row sees.
     """
     if p.nbatch < 2 or not plain_score(p) or p.kv_lengths is not None:
@@ -158,14 +159,16 @@ def _stacks(p, groups):
     # as many stacks as cores; the stacked copies of the queries, output gradients and
     # outputs stay small
     copies = p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize
-    per_stack = min(-(-p.nbatch // workers()), SLICE_BYTES // max(copies, 1))
-    if per_stack < 2:
+    runs = stacks_of(p.nbatch, SLICE_BYTES // max(copies, 1), workers())
+    if p.nbatch < 2 * len(runs):
         return None
-    stacks = [[]]
+    # whole groups, a new stack once the last one has reached the end of its run
+    stacks, filled = [], 0
     for g in groups:
-        if stacks[-1] and len(stacks[-1]) + len(g) > per_stack:
+        if not stacks or filled >= runs[len(stacks) - 1][1]:
             stacks.append([])
         stacks[-1] += g
+        filled += len(g)
     return stacks
 
 
