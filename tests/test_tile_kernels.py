@@ -593,7 +593,7 @@ from cuonline.engines import cpu_runtime
 counts = {}
 for dtype in (np.float32, np.float64):
     for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows', 'forward_task',
-                 'backward_block'):
+                 'backward_block', 'forward_stack', 'backward_stack'):
         asm = ''.join(cpu_runtime.tile_kernel(dtype, name).inspect_asm().values())
         functions = counts.setdefault(f'{name} {np.dtype(dtype).name}', {})
         function = block = None
@@ -631,7 +631,7 @@ def test_kernels_use_the_full_vector_width(tmp_path):
             found = counts[f"{name} {dtype}"]
             assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
         # the task loops (_task_kernels.py) call them: inlined or not, still at full width
-        for name in ("forward_task", "backward_block"):
+        for name in ("forward_task", "backward_block", "forward_stack", "backward_stack"):
             found = counts[f"{name} {dtype}"]
             assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
         rows = counts[f"softmax_rows {dtype}"]
