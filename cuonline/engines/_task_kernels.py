@@ -315,7 +315,6 @@ int
 """
 
 
-
 def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d, dv, dqs,
                     lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums,
                     span_rows, gemm, wide):
@@ -333,7 +332,7 @@ def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d
 backward_stack = compiled(_backward_stack)
 backward_stack.__doc__ = """:func:`backward_block` for each batch element of a stack, in one
 call: the backward of a batch of short sequences
-(:func:`cuonline.engines.numpy_backward.stacked_gradients`), each element's tiles, products
+(:func:`cuonline.engines.numpy_backward._stacks`), each element's tiles, products
 and tile kernel those of a task of its own, in the stack's order, with no Python between the
 elements.
 
@@ -359,6 +358,7 @@ int
     finite (nothing of that element added; the caller does it and those after it).
 """
 
+
 def _warm_up_backward(dtype):
     z = np.zeros(1, dtype)
     none = np.zeros(0, np.int64)
@@ -380,13 +380,13 @@ def _warm_up_stack(dtype):
                   False)
 
 
-
 def _warm_up_backward_stack(dtype):
     z = np.zeros((0, 1), dtype)
     none = np.zeros(0, np.int64)
     backward_stack(np.zeros((0, 4), np.int64), 0, 1, 0, 0, 1, 0, none, 1, none, 1, 1, 1, none,
                    1, none, 1, none, 1, z, z, z, none, none, np.zeros(1, dtype),
                    np.zeros(1, dtype), np.zeros(1, dtype), 128, 0, False)
+
 
 _WARM_UP = {"forward_task": (forward_task, _warm_up_forward),
             "forward_stack": (forward_stack, _warm_up_stack),

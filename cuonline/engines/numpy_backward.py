@@ -148,8 +148,8 @@ def _stacks(p, groups):
     162 us). A stack runs its elements' tiles in one compiled call
     (:func:`._task_kernels.backward_stack`); there are as many stacks as cores, or a
     multiple of that where the stacked copies of the elements' queries, output gradients and
-    outputs would pass ``SLICE_BYTES`` (:func:`.cpu_runtime.stacks_of`). It takes the plain score over every key (no ``kv_lengths``) and one
-    tile of keys that some row sees.
+    outputs would pass ``SLICE_BYTES`` (:func:`.cpu_runtime.stacks_of`). It takes the plain
+    score over every key (no ``kv_lengths``) and one tile of keys that some row sees.
     """
     if p.nbatch < 2 or not plain_score(p) or p.kv_lengths is not None:
         return None
