@@ -432,8 +432,8 @@ def test_backward_stacks_give_the_bits_of_a_task_per_element(
         monkeypatch, lambda: cuonline.attention_backward(*case, **options)))
     if d > 1:
         # d = 1 (scale 1, logits up to ~30): dQ's error is often 10x the naive one's on every
-        # path, the Python loop's included: P = exp(s - lse) carries the rounding of lse
-        # (an ulp of |lse|) into every row's sum, which the Delta trick does not cancel
+        # path, the Python loop's included: Delta = rowsum(dO * O) takes the forward's O, a
+        # few ulps off, which P = exp(s - lse) no longer cancels (docs/performance.md)
         check_gradients(got, case[0], *case[1:4], options)
 
 
