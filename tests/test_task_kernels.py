@@ -501,3 +501,11 @@ def test_backward_stacks_step_aside(library, backward_stacks, monkeypatch, rng, 
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     if case != "a NaN query":
         check_gradients(got, dout, q, k, v, options)
+
+
+@on_cblas
+def test_backward_stacks_do_not_depend_on_the_thread_count(library, backward_stacks, rng):
+    case = gradients_case(rng, *inputs(rng, (3, 5), 40, 60, 16, 8, np.float32), {})
+    one = cuonline.attention_backward(*case, workers=1)
+    assert backward_stacks and all(done == n for done, n in backward_stacks)
+    same_gradients(one, cuonline.attention_backward(*case, workers=3))
