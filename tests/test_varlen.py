@@ -172,6 +172,55 @@ def test_a_batch_of_many_tasks():
                             dout[:, rows], *parts, options)
 
 
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (9, 4)}], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_short_sequences_run_their_heads_as_stacks(monkeypatch, options, dtype):
+    """A sequence whose every head is one tile runs its heads as stacks (one compiled call,
+    forward and backward), with the bits of one unit per head and block; longer sequences
+    keep their units."""
+    from cuonline.engines import numpy as numpy_engine
+    from cuonline.engines import numpy_backward
+
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)       # a stack: up to 64 x 1024 scores
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 1024)
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_backward, "BLOCK_K", 64)
+    lengths = [40, 130, 64, 0, 7, 65, 33]
+    rng, q, k, v, cq, ck = case(7, heads=5, d=16, dv=8, dtype=dtype, lengths_q=lengths,
+                                lengths_k=lengths)
+    keywords = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, **options)
+    stacked = {"forward": [], "backward": []}
+    for module, name, key in ((numpy_engine, "attend_stacked", "forward"),
+                              (numpy_backward, "stacked_gradients", "backward")):
+        def counted(p, elements, *args, original=getattr(module, name), key=key):
+            stacked[key].append((getattr(p, "forward", p).lq, len(elements)))
+            return original(p, elements, *args)
+        monkeypatch.setattr(module, name, counted)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **keywords)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, **keywords)
+    # the sequences of 40, 64, 7 and 33 rows: each its 5 heads in one stack
+    assert sorted(stacked["forward"]) == sorted(stacked["backward"]) == [
+        (7, 5), (33, 5), (40, 5), (64, 5)]
+    with monkeypatch.context() as m:
+        m.setattr(numpy_engine, "stack_limit", lambda p: None)
+        m.setattr(numpy_backward, "stack_limit", lambda p: 0)
+        want_out, want_lse = cuonline.attention(q, k, v, return_lse=True, **keywords)
+        want = cuonline.attention_backward(dout, q, k, v, out, lse, **keywords)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    ref_out, _ = reference_varlen_attention(q, k, v, cq, ck, **options)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4 if dtype == np.float32 else 1e-10,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
+    ref = reference_varlen_attention_backward(dout, q, k, v, cq, ck, **options)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(got, name), ref[name],
+                                   rtol=1e-3 if dtype == np.float32 else 1e-9,
+                                   atol=1e-4 if dtype == np.float32 else 1e-11, err_msg=name)
+
+
 def test_a_wrong_lse_is_still_refused(rng):
     """The backward's check of lse runs on every group."""
     _, q, k, v, cq, ck = case(4)

@@ -150,29 +150,39 @@ def stack_plan(p):
     per element would spend as long in Python between its two small products as in them
     (measured at L = 256: about 100 us of each 280 us task). Such a batch runs as stacks of
     consecutive elements (in the C order of the batch shape) instead, each stack one compiled
-    call or one batched product per step (:func:`attend_stacked`), at most as many elements
-    per stack as fill one score tile, in a multiple of the cores' count of stacks
-    (:func:`.cpu_runtime.stacks_of`). It
-    takes the plain score only (the scale and the window band): a call with any array option
-    or a soft cap goes through :func:`plan`.
+    call or one batched product per step (:func:`attend_stacked`), at most
+    :func:`stack_limit`'s elements per stack, in a multiple of the cores' count of stacks
+    (:func:`.cpu_runtime.stacks_of`).
     """
-    if (p.nbatch < 2 or p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
+    limit = stack_limit(p) if p.nbatch >= 2 else None
+    if limit is None:
+        return None
+    j0, j1, most = limit
+    runs = stacks_of(p.nbatch, most, workers())
+    if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
+        return None
+    elements = list(np.ndindex(*p.batch_shape))
+    return [(elements[a:z], j0, j1) for a, z in runs]
+
+
+def stack_limit(p):
+    """``(j0, j1, most)`` where the batch elements of ``p`` may run as stacks
+    (:func:`attend_stacked`): the keys ``[j0, j1)`` every element's queries see, all in one
+    tile, and the most elements one stack may hold (as many as fill one score tile, and
+    stacked copies of q, k and v within ``SLICE_BYTES``: a head dimension in the millions,
+    broadcast from a few numbers, is multiplied in slices by the general path instead).
+    None where they may not: any array option but the window band or a soft cap, queries
+    past one block, keys past one tile.
+    """
+    if (p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
             or tile_kernel(p.acc_dtype) is None):
         return None
     block_q, block_k = blocks(p.acc_dtype)
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
     if p.lq > block_q or j1 - j0 > key_tile(p.lq, block_q, block_k) or j1 == j0:
         return None
-    runs = stacks_of(p.nbatch, block_q * block_k // (p.lq * (j1 - j0)), workers())
-    if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
-        return None
-    # the stacked copies of q, k and v stay small (a head dimension in the millions, broadcast
-    # from a few numbers, is multiplied in slices by the general path instead)
-    most = max(z - a for a, z in runs)
-    if most * (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize > SLICE_BYTES:
-        return None
-    elements = list(np.ndindex(*p.batch_shape))
-    return [(elements[a:z], j0, j1) for a, z in runs]
+    copies = (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize
+    return j0, j1, min(block_q * block_k // (p.lq * (j1 - j0)), SLICE_BYTES // max(copies, 1))
 
 
 def attend_stacked(p, elements, j0, j1):

@@ -147,19 +147,13 @@ def _stacks(p, groups):
     element spends as long in Python around them as in them (at L = 128: 68 us of each
     162 us). A stack runs its elements' tiles in one compiled call
     (:func:`._task_kernels.backward_stack`); there are as many stacks as cores, or a
-    multiple of that where the stacked copies of the elements' queries, output gradients and
-    outputs would pass ``SLICE_BYTES`` (:func:`.cpu_runtime.stacks_of`). It takes the plain
-    score over every key (no ``kv_lengths``) and one tile of keys that some row sees.
+    multiple of that where a stack would pass :func:`stack_limit`
+    (:func:`.cpu_runtime.stacks_of`).
     """
-    if p.nbatch < 2 or not plain_score(p) or p.kv_lengths is not None:
+    most = stack_limit(p) if p.nbatch >= 2 else 0
+    if most < 2:
         return None
-    if (len(_block_tiles(p, 0, p.lk)) != 1
-            or tile_kernel(p.acc_dtype, "backward_stack") is None):
-        return None
-    # as many stacks as cores; the stacked copies of the queries, output gradients and
-    # outputs stay small
-    copies = p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize
-    runs = stacks_of(p.nbatch, SLICE_BYTES // max(copies, 1), workers())
+    runs = stacks_of(p.nbatch, most, workers())
     if p.nbatch < 2 * len(runs):
         return None
     # whole groups, a new stack once the last one has reached the end of its run
@@ -170,6 +164,29 @@ def _stacks(p, groups):
         stacks[-1] += g
         filled += len(g)
     return stacks
+
+
+def stack_limit(p):
+    """The most batch elements of ``p`` one stack (:func:`stacked_gradients`) may hold: each
+    element one tile of the plain score over every key (no ``kv_lengths``), the stacked
+    copies of the elements' queries, output gradients and outputs within ``SLICE_BYTES``;
+    0 where the elements may not run as stacks."""
+    block_q, block_k = blocks(p.acc_dtype)
+    if (not plain_score(p) or p.kv_lengths is not None or p.lq > block_q or p.lk > block_k
+            or len(_block_tiles(p, 0, p.lk)) != 1
+            or tile_kernel(p.acc_dtype, "backward_stack") is None):
+        return 0
+    return SLICE_BYTES // max(p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize, 1)
+
+
+def stacked_gradients(bp, elements, buffers, sums):
+    """Add the gradients of the batch ``elements`` (at most :func:`stack_limit`'s, in C order;
+    no other task may write their gradient slots) into ``buffers`` and their rows' sums of
+    ``P`` into ``sums``, as :func:`element_gradients` would one by one, in one compiled call
+    where it applies (:func:`_compiled_stack`): for drivers that make their own task list (the
+    packed batches of :mod:`.numpy_varlen`)."""
+    _run_task(bp, (elements, "stack" if stack_limit(bp.forward) else "all", None, None),
+              buffers, sums)
 
 
 def _block_tiles(p, j0, j1, query_block=None):

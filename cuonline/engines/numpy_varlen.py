@@ -36,6 +36,7 @@ import numpy as np
 from .._gradients import Gradients, Target, gradients_of
 from . import numpy as numpy_forward
 from . import numpy_backward
+from .cpu_runtime import stacks_of
 
 if TYPE_CHECKING:
     from .._validate import BackwardProblem, Problem, StatsProblem
@@ -178,7 +179,9 @@ def attention(p: Problem) -> tuple[Any, Any]:
     gets 0 and ``-inf``.
 
     One task list on the pool: a unit is one query block (:func:`.numpy.blocks`) of one batch
-    element of one sequence, over the keys its rows may see (:func:`.numpy.key_range`), and
+    element of one sequence, over the keys its rows may see (:func:`.numpy.key_range`), or,
+    where each element of a sequence is one block over one key tile, a stack of its elements
+    (:func:`.numpy.stack_limit`, :func:`.numpy.attend_stacked`: one compiled call), and
     short units share a task. With fewer units than cores (a few long sequences), the
     sequences go by shape through :func:`.numpy.attention`, which splits key ranges."""
     from .cpu_runtime import workers
@@ -191,6 +194,14 @@ def attention(p: Problem) -> tuple[Any, Any]:
         if not lq:
             continue
         sub = subs[b] = sequence_problem(p, b)
+        stacked = numpy_forward.stack_limit(sub) if sub.nbatch >= 2 else None
+        if stacked is not None and stacked[2] >= 2:
+            # every element one block over one key tile: its elements in stacks
+            j0, j1, most = stacked
+            for a, z in stacks_of(sub.nbatch, most, 1):
+                units.append((b, slice(a, z), 0, lq, j0, j1))     # consecutive elements
+                work.append((z - a) * lq * (j1 - j0))
+            continue
         step = min(block_q, lq)
         for e in np.ndindex(*batch):
             for i0 in range(0, lq, step):
@@ -203,12 +214,18 @@ def attention(p: Problem) -> tuple[Any, Any]:
         return _grouped_attention(p)
     out = np.zeros(batch + (p.lq, p.dv), dtype=p.dtype)
     lse = np.full(batch + (p.lq,), -np.inf, dtype=p.acc_dtype)
+    # a run of consecutive elements of the (fresh, C-ordered) results: one slice
+    flat_out, flat_lse = out.reshape((-1, p.lq, p.dv)), lse.reshape((-1, p.lq))
+    elements = list(np.ndindex(*batch))
 
     def run(task):
         for b, e, i0, i1, j0, j1 in task:
-            first = int(p.cu_seqlens_q[b])
-            out[e][first + i0:first + i1], lse[e][first + i0:first + i1] = (
-                numpy_forward.attend(subs[b], e, i0, i1, j0, j1))
+            rows = slice(int(p.cu_seqlens_q[b]) + i0, int(p.cu_seqlens_q[b]) + i1)
+            if isinstance(e, slice):                      # a stack of elements
+                flat_out[e, rows], flat_lse[e, rows] = numpy_forward.attend_stacked(
+                    subs[b], elements[e], j0, j1)
+            else:
+                out[e][rows], lse[e][rows] = numpy_forward.attend(subs[b], e, i0, i1, j0, j1)
 
     n_workers = workers() if p.workers is None else p.workers
     _run_batched(units, work, run, n_workers)
@@ -235,8 +252,10 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
 
     One task list on the pool: a unit is one batch element of one sequence
     (:func:`.numpy_backward.element_gradients` on the sequence's problem, adding straight into
-    the packed gradients' rows of that element: no two units share a gradient row), and short
-    units share a task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
+    the packed gradients' rows of that element: no two units share a gradient row), or, where
+    each element of a sequence is one tile, a stack of its elements
+    (:func:`.numpy_backward.stacked_gradients`: one compiled call), and short units share a
+    task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
     one buffer per sequence, summed in sequence order. Each row's sum of ``P`` is checked
     once for the whole batch. With fewer units than cores, the sequences go by shape through
     :func:`.numpy_backward.attention_backward`, which splits each into key and query blocks.
@@ -272,12 +291,21 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
             lse=bp.lse[..., q0:q1], targets=targets)
         calls[b] = (sub_bp, buffers, numpy_backward.RowSums(
             sub, sums.sums[..., q0:q1], sums.sees[..., q0:q1]))
-    units = [(b, e) for b in sequences for e in np.ndindex(*batch)]
-    work = [int(lengths_q[b] * lengths_k[b]) for b, _ in units]
+    # a unit: one element of a sequence, or a stack of its elements where each is one tile
+    elements = list(np.ndindex(*batch))
+    units = []
+    for b in sequences:
+        most = numpy_backward.stack_limit(calls[b][0].forward) if len(elements) > 1 else 1
+        units += [(b, elements[a:z]) for a, z in stacks_of(len(elements), max(most, 1), 1)]
+    work = [len(e) * int(lengths_q[b] * lengths_k[b]) for b, e in units]
 
     def run(task):
-        for b, e in task:
-            numpy_backward.element_gradients(calls[b][0], e, calls[b][1], calls[b][2])
+        for b, stack in task:
+            if len(stack) == 1:
+                numpy_backward.element_gradients(calls[b][0], stack[0], calls[b][1],
+                                                 calls[b][2])
+            else:
+                numpy_backward.stacked_gradients(calls[b][0], stack, calls[b][1], calls[b][2])
 
     n_workers = workers() if p.workers is None else p.workers
     _run_batched(units, work, run, n_workers)
@@ -300,8 +328,8 @@ def _check_row_sums(bp, sums, lengths_q, lengths_k) -> None:
     p = bp.forward
     n_keys = np.repeat(lengths_k, lengths_q)                         # (total_q,)
 
-    def norms(x):
-        return np.sqrt(np.einsum("...ij,...ij->...i", x, x, dtype=np.float64))
+    def norms(x):                                # float64, never below the exact norm
+        return _lse_check.row_norms(np, x)
 
     keys = norms(p.k)
     keys = np.where(np.isnan(keys), 0.0, keys)
