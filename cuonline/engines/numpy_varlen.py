@@ -3,7 +3,9 @@
 No new numerics. The forward and the backward run the whole batch as one task list on the
 pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
 sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
-:func:`.numpy_backward.element_gradients`), on the sequence's own
+:func:`.numpy_backward.element_gradients`), or a stack of a short sequence's elements (each
+one tile: :func:`.numpy.attend_stacked`, :func:`.numpy_backward.stacked_gradients`, one
+compiled call, the bits of a unit per element where the compiled loops run), on the sequence's own
 :class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
 writing straight into the packed results; consecutive short units share a task
 (``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
