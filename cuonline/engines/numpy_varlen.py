@@ -5,8 +5,8 @@ pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch el
 sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
 :func:`.numpy_backward.element_gradients`), or a stack of a short sequence's elements (each
 one tile: :func:`.numpy.attend_stacked`, :func:`.numpy_backward.stacked_gradients`, one
-compiled call, the bits of a unit per element where the compiled loops run), on the sequence's own
-:class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
+compiled call, the bits of a unit per element where the compiled loops run), on the
+sequence's own :class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
 writing straight into the packed results; consecutive short units share a task
 (``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
 problem only, so the results are the same for every ``workers``. A backward over 256
