@@ -145,10 +145,18 @@ def test_backward_stacks_split_the_batch_evenly_and_keep_groups_whole(rng, backw
 
 @pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
                                      {"kv_lengths": np.array([3, 8, 8, 8])}], ids=str)
-def test_backward_score_terms_and_long_keys_take_a_task_per_group(rng, backward_machine,
-                                                                  options):
+def test_backward_score_terms_take_a_task_per_group(rng, backward_machine, options):
     q, k, v = data(rng, (4,), 8, 8, 4)
     assert {part for _, part, _, _ in backward_plan(backward_machine, q, k, v, **options)} == {
         "all"}
-    q, k, v = data(rng, (4,), 8, 257, 4)                  # keys past one tile of 256
-    assert {part for _, part, _, _ in backward_plan(backward_machine, q, k, v)} == {"all"}
+
+
+def test_backward_stacks_hold_what_fits_their_copies(rng, backward_machine, monkeypatch):
+    """Elements of several tiles stack too, as many as their copies of q, dO and O allow
+    (SLICE_BYTES); an element past that alone is a task of its own."""
+    q, k, v = data(rng, (4,), 600, 700, 4)                # 2 x 3 tiles each
+    tasks = backward_plan(backward_machine, q, k, v)
+    assert [(part, len(elements)) for elements, part, _, _ in tasks] == [("stack", 2)] * 2
+    monkeypatch.setattr(backward_machine, "SLICE_BYTES", 600 * 12 * 4 * 2 - 1)
+    tasks = backward_plan(backward_machine, q, k, v)
+    assert [(part, len(elements)) for elements, part, _, _ in tasks] == [("all", 1)] * 4

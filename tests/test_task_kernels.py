@@ -270,11 +270,14 @@ def test_a_nan_in_a_stack_stays_in_the_rows_that_see_it(library, stacks, rng):
 
 @pytest.fixture
 def small_backward_tiles(monkeypatch):
+    """Several tiles per element, each key block in a compiled call of its own (no stacks:
+    they are the section below's)."""
     from cuonline.engines import numpy_backward
 
     monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
     monkeypatch.setattr(numpy_backward, "BLOCK_K", 48)
     monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 16)
+    monkeypatch.setattr(numpy_backward, "_stacks", lambda p, groups: None)
     return numpy_backward
 
 
@@ -392,7 +395,7 @@ def backward_stacks(monkeypatch):
 
     def counted(bp, elements, *args):
         done = original(bp, elements, *args)
-        calls.append((done, len(elements)))
+        calls.append((done[0], len(elements)))
         return done
 
     monkeypatch.setattr(numpy_backward, "_compiled_stack", counted)
@@ -509,3 +512,38 @@ def test_backward_stacks_do_not_depend_on_the_thread_count(library, backward_sta
     one = cuonline.attention_backward(*case, workers=1)
     assert backward_stacks and all(done == n for done, n in backward_stacks)
     same_gradients(one, cuonline.attention_backward(*case, workers=3))
+
+
+@on_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_stack_stopped_inside_an_element_resumes_at_its_tile(library, monkeypatch, rng,
+                                                               dtype):
+    """Elements of several key blocks and query tiles in one stack; NaN in element 2's value
+    at key 100 makes dS of its tiles from key block 96 on not finite: the stack stops after
+    that element's earlier tiles, the Python loop adds the rest of it from the stopping tile
+    on, and the elements after it go one by one, all with the bits of a task per element."""
+    from cuonline.engines import numpy_backward
+
+    plan_alike(monkeypatch, numpy_backward, 48)
+    monkeypatch.setattr(numpy_backward, "BLOCK_Q", 64)
+    outcomes = []
+    original = numpy_backward._compiled_stack
+
+    def counted(bp, elements, *args):
+        outcomes.append(original(bp, elements, *args))
+        return outcomes[-1]
+
+    monkeypatch.setattr(numpy_backward, "_compiled_stack", counted)
+    dout, q, k, v, out, lse = gradients_case(
+        rng, *inputs(rng, (4,), 150, 150, 8, 8, dtype), {"causal": True})
+    v[2, 100] = np.nan
+    got = cuonline.attention_backward(dout, q, k, v, out, lse, causal=True)
+    # stacks [0, 1] and [2, 3]: the second stops in element 2 after its blocks 0 and 48
+    # (3 + 3 tiles: query tiles from 0, 64, 128 see keys [0, 48); the same for [48, 96))
+    assert sorted(outcomes) == [(0, 6), (2, 0)]
+    assert np.isnan(got.dq[2, 100:]).all() and np.isfinite(got.dq[2, :100]).all()
+    assert np.isnan(got.dk[2, 100]).all() and np.isfinite(np.delete(got.dk[2], 100, 0)).all()
+    assert all(np.isfinite(g[[0, 1, 3]]).all() for g in (got.dq, got.dk, got.dv))
+    same_gradients(got, backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(dout, q, k, v, out, lse,
+                                                         causal=True)))

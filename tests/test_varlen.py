@@ -175,9 +175,9 @@ def test_a_batch_of_many_tasks():
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (9, 4)}], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_short_sequences_run_their_heads_as_stacks(monkeypatch, options, dtype):
-    """A sequence whose every head is one tile runs its heads as stacks (one compiled call,
-    forward and backward), with the bits of one unit per head and block; longer sequences
-    keep their units."""
+    """A sequence's heads run as stacks, one compiled call each: in the forward where every
+    head is one tile (longer sequences keep a unit per head and block), in the backward every
+    sequence (several tiles each included); the bits of one unit per head and block."""
     from cuonline.engines import numpy as numpy_engine
     from cuonline.engines import numpy_backward
 
@@ -199,9 +199,10 @@ def test_short_sequences_run_their_heads_as_stacks(monkeypatch, options, dtype):
     out, lse = cuonline.attention(q, k, v, return_lse=True, **keywords)
     dout = rng.standard_normal(out.shape).astype(dtype)
     got = cuonline.attention_backward(dout, q, k, v, out, lse, **keywords)
-    # the sequences of 40, 64, 7 and 33 rows: each its 5 heads in one stack
-    assert sorted(stacked["forward"]) == sorted(stacked["backward"]) == [
-        (7, 5), (33, 5), (40, 5), (64, 5)]
+    # forward: the sequences of 40, 64, 7 and 33 rows, each its 5 heads in one stack
+    assert sorted(stacked["forward"]) == [(7, 5), (33, 5), (40, 5), (64, 5)]
+    assert sorted(stacked["backward"]) == [(7, 5), (33, 5), (40, 5), (64, 5), (65, 5),
+                                           (130, 5)]
     with monkeypatch.context() as m:
         m.setattr(numpy_engine, "stack_limit", lambda p: None)
         m.setattr(numpy_backward, "stack_limit", lambda p: 0)

@@ -325,8 +325,8 @@ def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d
                               lse[g], delta[g], sums[g], lo0, hi0, s, ds, row_sums, span_rows,
                               True, True, gemm, wide)
         if done < tiles.shape[0]:
-            return g
-    return lse.shape[0]
+            return g, done
+    return lse.shape[0], 0
 
 
 backward_stack = compiled(_backward_stack)
@@ -339,7 +339,8 @@ elements.
 Parameters
 ----------
 tiles : (T, 4) int64 array
-    The tiles of every element (one window band), as :func:`backward_block`'s.
+    The tiles of every element (one window band), as :func:`backward_block`'s, in the order a
+    task per element adds them (key block by key block).
 q, ldq, q_step; do, ldo, do_step : int
     Address of element 0's scaled queries (output gradient), their row stride in elements
     and the step in bytes from one element's to the next.
@@ -353,9 +354,10 @@ The other parameters are :func:`backward_block`'s; both parts are added.
 
 Returns
 -------
-int
-    The elements done: fewer than G where a tile of the next element had a P or dS not all
-    finite (nothing of that element added; the caller does it and those after it).
+(int, int)
+    The elements done, and the tiles done of the next one: ``(G, 0)``, or fewer elements
+    where a tile of the next element had a P or dS not all finite (its tiles before that one
+    added, nothing of it; the caller does the rest of it and the elements after it).
 """
 
 

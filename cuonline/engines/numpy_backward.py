@@ -18,8 +18,7 @@ each group is one task on the CPU engines' thread pool (:mod:`.cpu_runtime`). A 
 batch elements in C order, their keys in blocks of ``BLOCK_K`` and, inside each, the queries
 that may see them in tiles of ``BLOCK_Q`` (both sized from the machine's L2, see
 :func:`blocks`), adding each tile's part straight into the gradients. A batch of short
-sequences (each element one tile) runs as stacks of groups instead, each stack one compiled
-call (:func:`_stacks`).
+sequences runs as stacks of groups instead, each stack one compiled call (:func:`_stacks`).
 Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`), so that
 ``exp(s - lse)`` is the forward's ``P``; each row's sum of it tells an ``lse`` of other inputs
 (:mod:`cuonline._lse_check`). No gradient slot is
@@ -93,11 +92,12 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
 def _run_task(bp, task, buffers, sums):
     """Add one task's gradients (a task of :func:`_plan`) into ``buffers``."""
     elements, part, key_block, query_block = task
-    done = 0
+    done = skip = 0
     if part == "stack":
-        done, part = _compiled_stack(bp, elements, buffers, sums), "all"
+        (done, skip), part = _compiled_stack(bp, elements, buffers, sums), "all"
     for b in elements[done:]:
-        _one_batch_element(bp, b, buffers, sums, part, key_block, query_block)
+        _one_batch_element(bp, b, buffers, sums, part, key_block, query_block, skip)
+        skip = 0
 
 
 def _plan(p, targets):
@@ -118,7 +118,7 @@ def _plan(p, targets):
     block_q, block_k = blocks(p.acc_dtype)
     n_tiles = -(-p.lq // block_q) * -(-p.lk // block_k)
     if len(groups) >= workers() or n_tiles < 2:
-        stacks = _stacks(p, groups) if n_tiles == 1 else None
+        stacks = _stacks(p, groups)
         if stacks is not None:
             return [(elements, "stack", None, None) for elements in stacks]
         return [(g, "all", None, None) for g in groups]
@@ -143,9 +143,9 @@ def _stacks(p, groups):
     """The groups joined into stacks of consecutive groups (each stack's elements in the
     groups' order: the order of their sums), or None where a task per group is as good.
 
-    A batch element of a short sequence is one tile, five small products, and a task per
-    element spends as long in Python around them as in them (at L = 128: 68 us of each
-    162 us). A stack runs its elements' tiles in one compiled call
+    A batch element of a short sequence is a few tiles of five small products each, and a
+    task per element spends as long in Python around them as in them (at L = 128, one tile:
+    68 us of each 162 us). A stack runs its elements' tiles in one compiled call
     (:func:`._task_kernels.backward_stack`); there are as many stacks as cores, or a
     multiple of that where a stack would pass :func:`stack_limit`
     (:func:`.cpu_runtime.stacks_of`).
@@ -167,13 +167,12 @@ def _stacks(p, groups):
 
 
 def stack_limit(p):
-    """The most batch elements of ``p`` one stack (:func:`stacked_gradients`) may hold: each
-    element one tile of the plain score over every key (no ``kv_lengths``), the stacked
-    copies of the elements' queries, output gradients and outputs within ``SLICE_BYTES``;
-    0 where the elements may not run as stacks."""
-    block_q, block_k = blocks(p.acc_dtype)
-    if (not plain_score(p) or p.kv_lengths is not None or p.lq > block_q or p.lk > block_k
-            or len(_block_tiles(p, 0, p.lk)) != 1
+    """The most batch elements of ``p`` one stack (:func:`stacked_gradients`) may hold: the
+    plain score over every key (no ``kv_lengths``), the stacked copies of the elements'
+    queries, output gradients and outputs within ``SLICE_BYTES`` (at most 5 elements of
+    N 1024, D 64 in float32; none of N 4096, whose elements are long enough alone); 0 where
+    the elements may not run as stacks."""
+    if (not plain_score(p) or p.kv_lengths is not None or p.lq == 0
             or tile_kernel(p.acc_dtype, "backward_stack") is None):
         return 0
     return SLICE_BYTES // max(p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize, 1)
@@ -346,10 +345,13 @@ def element_gradients(bp, b, buffers, sums):
     _one_batch_element(bp, b, buffers, sums)
 
 
-def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None):
+def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None,
+                       skip=0):
     """Add batch element ``b``'s gradients into ``buffers`` (the padded gradient arrays):
     ``part`` "kv" (dK, dV), "q" (dQ and the bias-like terms) or "all", over the key block
-    starting at ``key_block`` and the query block starting at ``query_block`` (None: all)."""
+    starting at ``key_block`` and the query block starting at ``query_block`` (None: all),
+    leaving out its first ``skip`` tiles (in the order they are added: a compiled stack added
+    them, and its next tile was not finite)."""
     p = bp.forward
     acc = p.acc_dtype
     e = _Element(bp, b)
@@ -366,8 +368,9 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
         v_blk = blas_ready(e.v[j0:j1], acc)                           # (bk, Dv)
         k_finite = bool(np.isfinite(k_blk).all())
         tiles = _block_tiles(p, j0, j1, query_block)
-        done = 0
-        if e.do_finite and e.qs_finite and k_finite:
+        done = min(skip, len(tiles))
+        skip -= done
+        if not done and e.do_finite and e.qs_finite and k_finite:
             done = _compiled_block(p, e, tiles, k_blk, v_blk, j0, (dq, dk, dv), sums,
                                    kv_part, q_part)
         for i0, i1, js, je in tiles[done:]:
@@ -449,8 +452,9 @@ def _compiled_stack(bp, elements, buffers, sums):
     and tile kernel those of :func:`_compiled_block` for the element alone, so the same bits),
     where it applies: every element's queries, output gradient and keys finite and every row
     seeing a key, and the rows CBLAS reads in place (the first element's tells for all: one
-    array's views with the same strides). Returns how many elements it did; the caller does
-    the rest with :func:`_one_batch_element`."""
+    array's views with the same strides). Returns ``(elements done, tiles done of the next
+    one)`` (``(0, 0)``: it did not apply); the caller does the rest with
+    :func:`_one_batch_element`."""
     p = bp.forward
     acc = p.acc_dtype
     first = elements[0]
@@ -465,31 +469,35 @@ def _compiled_stack(bp, elements, buffers, sums):
     found = compiled_task(acc, "backward_stack", (qs[0], do[0], p.k[first], p.v[first],
                                                    *grads))
     if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
-        return 0
+        return 0, 0
     lse = np.broadcast_to(bp.lse, p.batch_shape + (p.lq,))[index].astype(acc, copy=False)
     with np.errstate(invalid="ignore"):
         finite = (np.isfinite(qs).all() and np.isfinite(do).all()
                   and np.isfinite(p.k[index]).all())
     if not finite or (lse == -np.inf).any():
-        return 0
+        return 0, 0
     delta = _delta(do, stacked(bp.out))
-    tiles = np.array(_block_tiles(p, 0, p.lk), dtype=np.int64).reshape(-1, 4)
+    block_k = blocks(acc)[1]
+    tiles = np.array([t for j0 in range(0, p.lk, block_k)
+                      for t in _block_tiles(p, j0, min(j0 + block_k, p.lk))],
+                     dtype=np.int64).reshape(-1, 4)
     lo, hi = ScorePipeline(p, first, 0, p.lq, qs[0]).window_columns(0, p.lk)
-    n, w = p.lq, int(tiles[0, 3] - tiles[0, 2])
+    n, w = int((tiles[:, 1] - tiles[:, 0]).max()), int((tiles[:, 3] - tiles[:, 2]).max())
     row_sums = np.zeros(lse.shape, dtype=acc)
     (blas, stack), size = found, acc.itemsize
 
     def rows(x):                     # each element's row-0 address (a gradient: its slot's)
         return batch_addresses(x, elements), x.strides[-2] // size
 
-    done = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
-                 do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
-                 *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse, delta,
-                 row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
-                 np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide)
-    for g, b in enumerate(elements[:done]):
+    done, skip = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
+                       do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
+                       *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse,
+                       delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
+                       np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide)
+    # the rows' sums of the elements done and of the tiles done of the next one
+    for g, b in enumerate(elements[:done + (skip > 0)]):
         sums.sums[b] += row_sums[g]
-    return done
+    return done, skip
 
 
 class _Visibility:
