@@ -3,10 +3,11 @@
 No new numerics. The forward and the backward run the whole batch as one task list on the
 pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
 sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
-:func:`.numpy_backward.element_gradients`), or a stack of a short sequence's elements (each
-one tile: :func:`.numpy.attend_stacked`, :func:`.numpy_backward.stacked_gradients`, one
-compiled call, the bits of a unit per element where the compiled loops run), on the
-sequence's own :class:`cuonline._validate.Problem` (:func:`sequence_problem`: views of its rows, no copy),
+:func:`.numpy_backward.element_gradients`), or a stack of a sequence's elements (forward:
+where each is one tile, :func:`.numpy.attend_stacked`; backward:
+:func:`.numpy_backward.stacked_gradients`; one compiled call, the bits of a unit per element
+where the compiled loops run), on the sequence's own :class:`cuonline._validate.Problem`
+(:func:`sequence_problem`: views of its rows, no copy),
 writing straight into the packed results; consecutive short units share a task
 (``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
 problem only, so the results are the same for every ``workers``. A backward over 256
@@ -254,10 +255,10 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
 
     One task list on the pool: a unit is one batch element of one sequence
     (:func:`.numpy_backward.element_gradients` on the sequence's problem, adding straight into
-    the packed gradients' rows of that element: no two units share a gradient row), or, where
-    each element of a sequence is one tile, a stack of its elements
-    (:func:`.numpy_backward.stacked_gradients`: one compiled call), and short units share a
-    task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
+    the packed gradients' rows of that element: no two units share a gradient row), or a
+    stack of a sequence's elements (:func:`.numpy_backward.stacked_gradients`: one compiled
+    call, as many elements as :func:`.numpy_backward.stack_limit` allows), and short units
+    share a task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
     one buffer per sequence, summed in sequence order. Each row's sum of ``P`` is checked
     once for the whole batch. With fewer units than cores, the sequences go by shape through
     :func:`.numpy_backward.attention_backward`, which splits each into key and query blocks.
@@ -293,7 +294,7 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
             lse=bp.lse[..., q0:q1], targets=targets)
         calls[b] = (sub_bp, buffers, numpy_backward.RowSums(
             sub, sums.sums[..., q0:q1], sums.sees[..., q0:q1]))
-    # a unit: one element of a sequence, or a stack of its elements where each is one tile
+    # a unit: one element of a sequence, or a stack of its elements
     elements = list(np.ndindex(*batch))
     units = []
     for b in sequences:
