@@ -24,7 +24,8 @@ Each tile's logits come from the forward's score pipeline (:mod:`.numpy_scores`)
 (:mod:`cuonline._lse_check`). No gradient slot is
 written by two tasks, and within a task the order of every sum is fixed, so the results are
 bitwise identical for every ``workers`` and every run. Extra memory is a few tiles and one copy
-of a batch element's queries and output gradient per task: never an ``Lq x Lk`` array.
+of a batch element's queries and output gradient per task (a stack's, of its elements' queries,
+output gradients and outputs: at most ``SLICE_BYTES``): never an ``Lq x Lk`` array.
 """
 
 from __future__ import annotations
