@@ -191,7 +191,10 @@ def attention(p: Problem) -> tuple[Any, Any]:
 
     batch = p.batch_shape
     block_q = numpy_forward.blocks(p.acc_dtype)[0]
-    subs, units, work = {}, [], []
+    subs: dict = {}
+    # (sequence, element index or a slice of consecutive elements, i0, i1, j0, j1)
+    units: list[tuple] = []
+    work: list[int] = []
     for b in range(len(p.cu_seqlens_q) - 1):
         lq = int(p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b])
         if not lq:
