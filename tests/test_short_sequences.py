@@ -160,3 +160,18 @@ def test_backward_stacks_hold_what_fits_their_copies(rng, backward_machine, monk
     monkeypatch.setattr(backward_machine, "SLICE_BYTES", 600 * 12 * 4 * 2 - 1)
     tasks = backward_plan(backward_machine, q, k, v)
     assert [(part, len(elements)) for elements, part, _, _ in tasks] == [("all", 1)] * 4
+
+
+@pytest.mark.parametrize("options", [{"causal": True, "q_offset": -20},
+                                     {"window": (0, 0), "q_offset": 30}], ids=str)
+def test_a_finite_lse_for_rows_that_see_no_key_is_refused(rng, backward_machine, options):
+    """No row sees a key (a stack has no tile at all): an lse of zeros gets the check's
+    ValueError naming lse, not a failure inside the stack."""
+    q, k, v = data(rng, (4,), 6, 8, 8)
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    assert np.isneginf(lse).all()
+    assert {part for _, part, _, _ in backward_plan(backward_machine, q, k, v, **options)} == {
+        "stack"}
+    with pytest.raises(ValueError, match="`lse` must be the one attention returned"):
+        cuonline.attention_backward(np.ones_like(out), q, k, v, out, np.zeros_like(lse),
+                                    **options)

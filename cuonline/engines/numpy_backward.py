@@ -482,6 +482,8 @@ def _compiled_stack(bp, elements, buffers, sums):
     tiles = np.array([t for j0 in range(0, p.lk, block_k)
                       for t in _block_tiles(p, j0, min(j0 + block_k, p.lk))],
                      dtype=np.int64).reshape(-1, 4)
+    if not len(tiles):                  # no row sees a key (an lse of -inf was expected)
+        return 0, 0
     lo, hi = ScorePipeline(p, first, 0, p.lq, qs[0]).window_columns(0, p.lk)
     n, w = int((tiles[:, 1] - tiles[:, 0]).max()), int((tiles[:, 3] - tiles[:, 2]).max())
     row_sums = np.zeros(lse.shape, dtype=acc)
