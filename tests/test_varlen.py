@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from oracle import reference_varlen_attention, reference_varlen_attention_backward
-from support import boundaries, packed_case, packed_option_cases
+from support import (boundaries, check_attention, check_gradients, packed_case,
+                     packed_option_cases)
 
 import cuonline
 
@@ -140,8 +141,6 @@ def test_a_batch_of_many_tasks():
     (``numpy_varlen.TASK_WORK``): the same bits for every ``workers``, the gradients of the
     tables that every sequence shares included, and each sequence accurate (the oracle and
     the accuracy rule, on that sequence alone)."""
-    from support import check_attention, check_gradients
-
     rng = np.random.default_rng(7)
     cq = boundaries([300, 1, 0, 257, 520, 64, 129])
     q, k, v, dout = (rng.standard_normal((2, cq[-1], 16)).astype(np.float32) for _ in range(4))
@@ -163,13 +162,19 @@ def test_a_batch_of_many_tasks():
                                   **options)
     g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=cq,
                                     **options)
-    for b in range(len(cq) - 1):
-        rows = slice(cq[b], cq[b + 1])
-        if cq[b + 1] > cq[b]:
+    check_each_sequence(q, k, v, cq, out, lse, dout, g, options)
+
+
+def check_each_sequence(q, k, v, cu, out, lse, dout, grads, options):
+    """Each sequence's rows of a packed self-attention's results (``cu`` both boundaries)
+    against the oracle, by the accuracy rule (tests/support.py)."""
+    for b in range(len(cu) - 1):
+        rows = slice(cu[b], cu[b + 1])
+        if cu[b + 1] > cu[b]:
             parts = [x[:, rows] for x in (q, k, v)]
             check_attention(*parts, out[:, rows], lse[:, rows], options)
-            check_gradients({"dq": g.dq[:, rows], "dk": g.dk[:, rows], "dv": g.dv[:, rows]},
-                            dout[:, rows], *parts, options)
+            check_gradients({"dq": grads.dq[:, rows], "dk": grads.dk[:, rows],
+                             "dv": grads.dv[:, rows]}, dout[:, rows], *parts, options)
 
 
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (9, 4)}], ids=str)
@@ -212,14 +217,7 @@ def test_short_sequences_run_their_heads_as_stacks(monkeypatch, options, dtype):
     np.testing.assert_array_equal(lse, want_lse)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
-    ref_out, _ = reference_varlen_attention(q, k, v, cq, ck, **options)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-4 if dtype == np.float32 else 1e-10,
-                               atol=1e-5 if dtype == np.float32 else 1e-12)
-    ref = reference_varlen_attention_backward(dout, q, k, v, cq, ck, **options)
-    for name in ("dq", "dk", "dv"):
-        np.testing.assert_allclose(getattr(got, name), ref[name],
-                                   rtol=1e-3 if dtype == np.float32 else 1e-9,
-                                   atol=1e-4 if dtype == np.float32 else 1e-11, err_msg=name)
+    check_each_sequence(q, k, v, cq, out, lse, dout, got, options)
 
 
 def test_a_wrong_lse_is_still_refused(rng):

@@ -182,9 +182,9 @@ def stack_limit(p):
 def stacked_gradients(bp, elements, buffers, sums):
     """Add the gradients of the batch ``elements`` (at most :func:`stack_limit`'s, in C order;
     no other task may write their gradient slots) into ``buffers`` and their rows' sums of
-    ``P`` into ``sums``, as :func:`element_gradients` would one by one, in one compiled call
-    where it applies (:func:`_compiled_stack`): for drivers that make their own task list (the
-    packed batches of :mod:`.numpy_varlen`)."""
+    ``P`` into ``sums``, in one compiled call where it applies (:func:`_compiled_stack`), else
+    one by one: for drivers that make their own task list (the packed batches of
+    :mod:`.numpy_varlen`)."""
     _run_task(bp, (elements, "stack" if stack_limit(bp.forward) else "all", None, None),
               buffers, sums)
 
@@ -336,14 +336,6 @@ class RowSums:
         _lse_check.check_row_sums(np, self.sums, np.broadcast_to(bp.lse, self.sums.shape),
                                   acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
                                   products=products, sees_keys=self.sees)
-
-
-def element_gradients(bp, b, buffers, sums):
-    """One task of :func:`attention_backward` for drivers that make their own task list (the
-    packed batches of :mod:`.numpy_varlen`): add all of batch element ``b``'s gradients into
-    ``buffers`` (arrays of the padded shapes of ``bp.targets``, indexed by their slots) and its
-    rows' sums of ``P`` into ``sums`` (a :class:`RowSums`), which the caller checks."""
-    _one_batch_element(bp, b, buffers, sums)
 
 
 def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_block=None,

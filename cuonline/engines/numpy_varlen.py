@@ -3,10 +3,9 @@
 No new numerics. The forward and the backward run the whole batch as one task list on the
 pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
 sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
-:func:`.numpy_backward.element_gradients`), or a stack of a sequence's elements (forward:
-where each is one tile, :func:`.numpy.attend_stacked`; backward:
-:func:`.numpy_backward.stacked_gradients`; one compiled call, the bits of a unit per element
-where the compiled loops run), on the sequence's own :class:`cuonline._validate.Problem`
+:func:`.numpy_backward.stacked_gradients`), or a stack of a sequence's elements (forward:
+where each is one tile, :func:`.numpy.attend_stacked`; backward: as many as one stack holds;
+one compiled call, the bits of a unit per element where the compiled loops run), on the sequence's own :class:`cuonline._validate.Problem`
 (:func:`sequence_problem`: views of its rows, no copy),
 writing straight into the packed results; consecutive short units share a task
 (``TASK_WORK``). Every unit writes rows no other unit writes and the task list depends on the
@@ -256,12 +255,11 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     """:class:`cuonline.Gradients` of the packed backward problem ``bp``: each gradient packed
     (and shaped) like its input; the keys of a sequence without queries get zeros.
 
-    One task list on the pool: a unit is one batch element of one sequence
-    (:func:`.numpy_backward.element_gradients` on the sequence's problem, adding straight into
-    the packed gradients' rows of that element: no two units share a gradient row), or a
-    stack of a sequence's elements (:func:`.numpy_backward.stacked_gradients`: one compiled
-    call, as many elements as :func:`.numpy_backward.stack_limit` allows), and short units
-    share a task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
+    One task list on the pool: a unit is a stack of a sequence's batch elements (as many as
+    :func:`.numpy_backward.stack_limit` allows, else one) on the sequence's problem
+    (:func:`.numpy_backward.stacked_gradients`, one compiled call where it applies), adding
+    straight into the packed gradients' rows of those elements: no two units share a gradient
+    row; short units share a task. The tables shared by every sequence (``rel_bias``, ``rel_k``) take
     one buffer per sequence, summed in sequence order. Each row's sum of ``P`` is checked
     once for the whole batch. With fewer units than cores, the sequences go by shape through
     :func:`.numpy_backward.attention_backward`, which splits each into key and query blocks.
@@ -297,21 +295,15 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
             lse=bp.lse[..., q0:q1], targets=targets)
         calls[b] = (sub_bp, buffers, numpy_backward.RowSums(
             sub, sums.sums[..., q0:q1], sums.sees[..., q0:q1]))
-    # a unit: one element of a sequence, or a stack of its elements
+    # a unit: a sequence's elements, as many as one stack holds (one where none may stack)
     elements = list(np.ndindex(*batch))
-    units = []
-    for b in sequences:
-        most = numpy_backward.stack_limit(calls[b][0].forward) if len(elements) > 1 else 1
-        units += [(b, elements[a:z]) for a, z in stacks_of(len(elements), max(most, 1), 1)]
+    units = [(b, elements[a:z]) for b in sequences for a, z in stacks_of(
+        len(elements), numpy_backward.stack_limit(calls[b][0].forward), 1)]
     work = [len(e) * int(lengths_q[b] * lengths_k[b]) for b, e in units]
 
     def run(task):
         for b, stack in task:
-            if len(stack) == 1:
-                numpy_backward.element_gradients(calls[b][0], stack[0], calls[b][1],
-                                                 calls[b][2])
-            else:
-                numpy_backward.stacked_gradients(calls[b][0], stack, calls[b][1], calls[b][2])
+            numpy_backward.stacked_gradients(calls[b][0], stack, calls[b][1], calls[b][2])
 
     n_workers = workers() if p.workers is None else p.workers
     _run_batched(units, work, run, n_workers)
