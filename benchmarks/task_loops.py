@@ -3,6 +3,11 @@
     python benchmarks/task_loops.py --one-core          # one thread, CPU time
     python benchmarks/task_loops.py                     # the engine's threads, wall time
     python benchmarks/task_loops.py --quick             # tiny sizes (CI smoke run)
+    python benchmarks/task_loops.py --compare stacks --lengths 256 512 --heads 64
+
+``--compare stacks`` times the stacks of batch elements (``numpy.stack_plan``,
+``numpy_backward._stacks``: several elements per compiled call) against a task per element
+(each element's own compiled walk or key blocks) instead: the same bits, other task lists.
 
 For the plain score the forward walks a query block's key tiles in one compiled call
 (``cuonline/engines/_task_kernels.py``: ``forward_task``) and the backward does a key block's
@@ -29,15 +34,21 @@ from cuonline.engines import numpy as forward
 from cuonline.engines import numpy_backward as backward
 
 COMPILED = (forward._compiled_walk, backward._compiled_block)
+STACKS = (forward.stack_plan, backward._stacks)
+# per comparison: the form switched off, then the form switched on (the ratio's numerator)
+FORMS = {"loops": ("Python loop", "compiled"), "stacks": ("task per element", "stacks")}
 
 
 def use(form):
-    """Run the engine's compiled task loops (``"compiled"``) or its Python loops."""
-    if form == "compiled":
-        forward._compiled_walk, backward._compiled_block = COMPILED
-    else:
+    """Run the engine with one form of the comparisons in FORMS on, the others as shipped."""
+    forward._compiled_walk, backward._compiled_block = COMPILED
+    forward.stack_plan, backward._stacks = STACKS
+    if form == "Python loop":
         forward._compiled_walk = lambda *args: False
         backward._compiled_block = lambda *args: 0
+    elif form == "task per element":
+        forward.stack_plan = lambda p: None
+        backward._stacks = lambda p, groups: None
 
 
 def main(argv=None):
@@ -48,17 +59,22 @@ def main(argv=None):
     parser.add_argument("--one-core", action="store_true",
                         help="one thread each, timed as this process's CPU time")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--compare", choices=sorted(FORMS), default="loops",
+                        help="compiled task loops against Python loops (default), or stacks "
+                             "of batch elements against a task per element")
     args = parser.parse_args(argv)
+    off, on = FORMS[args.compare]
     if args.quick:
-        args.lengths, args.dims, args.heads, args.rounds = [300], [16], 2, 2
+        args.lengths, args.dims, args.rounds = [300], [16], 2
+        args.heads = 8 if args.compare == "stacks" else 2      # stacks need 2 a core
     workers = use_one_core() if args.one_core else None
     clock = time.process_time if args.one_core else time.perf_counter
     ceilings = {dt: blas_ceiling(dt, 1 if args.quick else 3) for dt in args.dtypes}
-    print_machine("The compiled task loops against the Python loops, B=1 H="
+    print_machine(f"The {on} form against the {off} form, B=1 H="
                   f"{args.heads}" + (", one core, CPU time" if args.one_core else ", wall time"),
                   ceilings, with_torch=importlib.util.find_spec("torch") is not None)
-    print("| pass | N | D | dtype | causal | Python loop GFLOP/s | compiled GFLOP/s "
-          "| time compiled / Python |")
+    print(f"| pass | N | D | dtype | causal | {off} GFLOP/s | {on} GFLOP/s "
+          f"| time {on} / {off} |")
     print("|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for dtype in args.dtypes:
@@ -76,23 +92,21 @@ def main(argv=None):
                             dout, q, k, v, out, lse, causal=causal, workers=workers),
                     }
                     for name, call in calls.items():
-                        times = {"python": [], "compiled": []}
+                        times = {off: [], on: []}
                         for r in range(args.rounds + 1):        # the first round warms up
-                            for form in ("python", "compiled")[::1 if r % 2 else -1]:
+                            for form in (off, on)[::1 if r % 2 else -1]:
                                 use(form)
                                 start = clock()
                                 call()
                                 if r:
                                     times[form].append(clock() - start)
-                        use("compiled")
+                        use(on)
                         flop = 4 * args.heads * n * n * d / (2 if causal else 1)
                         flop *= 2.5 if name == "backward" else 1
                         rate = {f: flop / min(ts) / 1e9 for f, ts in times.items()}
-                        ratio = (statistics.median(times["compiled"])
-                                 / statistics.median(times["python"]))
+                        ratio = statistics.median(times[on]) / statistics.median(times[off])
                         print(f"| {name} | {n} | {d} | {dtype} | {'yes' if causal else 'no'} "
-                              f"| {rate['python']:.1f} | {rate['compiled']:.1f} "
-                              f"| {ratio:.3f} |", flush=True)
+                              f"| {rate[off]:.1f} | {rate[on]:.1f} | {ratio:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

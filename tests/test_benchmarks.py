@@ -111,15 +111,17 @@ def test_genomics_benchmark_prints_native_beside_dense(tmp_path):
         assert float(cells[11]) < 1e-4                   # both compute the same logits
 
 
-def test_task_loops_prints_both_forms_of_each_pass():
+@pytest.mark.parametrize("compare, forms", [("loops", "compiled form against the Python loop"),
+                                            ("stacks", "stacks form against the task per")])
+def test_task_loops_prints_both_forms_of_each_pass(compare, forms):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "task_loops.py"), "--quick", "--one-core",
-         "--dtypes", "float32"],
+         "--dtypes", "float32", "--compare", compare],
         capture_output=True, text=True, check=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     lines = result.stdout.splitlines()
-    assert lines[1].startswith("BLAS: ") and "one core" in lines[0]
+    assert lines[1].startswith("BLAS: ") and "one core" in lines[0] and forms in lines[0]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines
             if line.startswith(("| forward |", "| backward |"))]
     assert sorted((r[0], r[4]) for r in rows) == [("backward", "no"), ("backward", "yes"),
