@@ -74,11 +74,22 @@ def test_score_terms_take_the_general_path(rng, options):
 
 
 def test_long_or_single_sequences_take_the_general_path(rng):
-    # one element; more queries than a block; more keys than a tile; a stack of one element
-    longest = numpy_engine.MAX_KEY_TILE + 1
-    for batch, lq, lk in (((1,), 16, 16), ((2,), 513, 16), ((2,), 4, longest), ((4,), 512, 512)):
+    # one element; more queries than a block; a stack of one element (a block's queries
+    # against a tile's keys fill the score tile)
+    rows, keys = numpy_engine.blocks(np.float32)
+    width = numpy_engine.key_tile(rows, rows, keys)
+    for batch, lq, lk in (((1,), 16, 16), ((2,), rows + 1, 16), ((4,), rows, width)):
         q, k, v = data(rng, batch, lq, lk, 4)
         assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v)) is None
+
+
+def test_keys_past_one_tile_are_stacked(rng):
+    # a block's queries against three tiles of keys
+    rows, keys = numpy_engine.blocks(np.float32)
+    width = numpy_engine.key_tile(rows // 2, rows, keys)
+    q, k, v = data(rng, (8,), rows // 2, 2 * width + 5, 4)
+    stacks = numpy_engine.stack_plan(_validate.validate_attention(q, k, v))
+    assert stacks and sum(len(elements) for elements, _, _ in stacks) == 8
 
 
 def test_a_nan_stays_in_the_rows_that_see_it(rng):

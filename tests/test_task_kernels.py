@@ -224,11 +224,13 @@ def per_element(monkeypatch, fn):
 @pytest.mark.parametrize("band", sorted(BANDS))
 @pytest.mark.parametrize("batch, lq, lk, d, dv", [((3, 4), 40, 40, 8, 8),
                                                   ((2, 5), 33, 70, 16, 5),
-                                                  ((7,), 100, 61, 1, 3)])
+                                                  ((7,), 100, 61, 1, 3),
+                                                  ((2, 3), 200, 2100, 8, 8)])
 def test_stacks_give_the_bits_of_a_task_per_element(library, stacks, monkeypatch, rng, dtype,
                                                      band, batch, lq, lk, d, dv):
     """Every element of every stack as its own task would give it: the same products (row
-    groups on the diagonal included), the same kernel, the output in its place."""
+    groups on the diagonal included), the same kernel, the output in its place; 200 queries
+    against 2100 keys walk three key tiles of 1024 (unless a window band narrows them)."""
     options = dict(BANDS[band])
     options.pop("kv_lengths", None)                  # stacks take one key range for all
     assert_same_bits(inputs(rng, batch, lq, lk, d, dv, dtype), options, stacks,

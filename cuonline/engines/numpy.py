@@ -3,7 +3,7 @@
 Work is cut into tasks of one batch element x one block of queries (x one range of keys when
 there are too few such tasks to keep every core busy); the block and tile shapes come from the
 machine's L2 cache (:func:`blocks`). A batch of short sequences (each element's queries one
-block, its keys one tile) runs as stacks of elements instead (:func:`stack_plan`, one
+block) runs as stacks of elements instead (:func:`stack_plan`, one
 compiled call per stack). Each task walks its keys in tiles of ``BLOCK_K`` and
 keeps, per query row, the online-softmax state in natural units:
 
@@ -146,9 +146,9 @@ def stack_plan(p):
     """The tasks of a batch of short sequences, ``[(batch elements, j0, j1), ...]``, or None
     where :func:`plan` applies.
 
-    When every query of a batch element fits one block and every key it sees one tile, a task
-    per element would spend as long in Python between its two small products as in them
-    (measured at L = 256: about 100 us of each 280 us task). Such a batch runs as stacks of
+    When every query of a batch element fits one block, a task per element would spend as
+    long in Python between its small products as in them (measured at L = 256, keys in one
+    tile: about 100 us of each 280 us task). Such a batch runs as stacks of
     consecutive elements (in the C order of the batch shape) instead, each stack one compiled
     call or one batched product per step (:func:`attend_stacked`), at most
     :func:`stack_limit`'s elements per stack, in a multiple of the cores' count of stacks
@@ -167,33 +167,37 @@ def stack_plan(p):
 
 def stack_limit(p):
     """``(j0, j1, most)`` where the batch elements of ``p`` may run as stacks
-    (:func:`attend_stacked`): the keys ``[j0, j1)`` every element's queries see, all in one
-    tile, and the most elements one stack may hold (as many as fill one score tile, and
-    stacked copies of q, k and v within ``SLICE_BYTES``: a head dimension in the millions,
-    broadcast from a few numbers, is multiplied in slices by the general path instead).
-    None where they may not: any array option but the window band or a soft cap, queries
-    past one block, keys past one tile.
+    (:func:`attend_stacked`): the keys ``[j0, j1)`` every element's queries see, and the most
+    elements one stack may hold (stacked copies of q, k and v within ``SLICE_BYTES``: a head
+    dimension in the millions, broadcast from a few numbers, is multiplied in slices by the
+    general path instead; where the keys fit one tile, also no more than fill one score tile,
+    the batched products' tile). None where they may not: any array option but the window
+    band or a soft cap, queries past one block.
     """
     if (p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
             or tile_kernel(p.acc_dtype) is None):
         return None
     block_q, block_k = blocks(p.acc_dtype)
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
-    if p.lq > block_q or j1 - j0 > key_tile(p.lq, block_q, block_k) or j1 == j0:
+    if p.lq > block_q or j1 == j0:
         return None
     copies = (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize
-    return j0, j1, min(block_q * block_k // (p.lq * (j1 - j0)), SLICE_BYTES // max(copies, 1))
+    most = SLICE_BYTES // max(copies, 1)
+    if j1 - j0 <= key_tile(p.lq, block_q, block_k):
+        most = min(most, block_q * block_k // (p.lq * (j1 - j0)))
+    return j0, j1, most
 
 
 def attend_stacked(p, elements, j0, j1):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, Lq, Dv)`` and
-    ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``, all in one key
-    tile: :func:`_attend`'s steps on the stack. Where :func:`_compiled_walk` would take the
+    ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``:
+    :func:`_attend`'s steps on the stack. Where :func:`_compiled_walk` would take the
     elements, their walks run in one compiled call (:func:`_compiled_stack`: each element's
-    products and tile kernel those of a task of its own, so the same bits, and no GIL held);
-    else each product is one batched call (BLAS per element, the same products as
-    :func:`_attend`'s Python loop). An element whose output is not finite is redone by
-    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
+    tiles, products and tile kernel those of a task of its own, so the same bits, and no GIL
+    held); else, keys in one tile, each product is one batched call (BLAS per element, the
+    same products as :func:`_attend`'s Python loop), and keys past one tile, :func:`_attend`
+    per element. An element whose output is not finite is redone by :func:`_attend` (its
+    careful path keeps NaN in the rows that see it)."""
     acc_t = p.acc_dtype
     g, n, w = len(elements), p.lq, j1 - j0
     queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
@@ -201,6 +205,10 @@ def attend_stacked(p, elements, j0, j1):
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)
     o = _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l)
+    if o is None and w > key_tile(n, *blocks(acc_t)):
+        # keys past one tile and no compiled walk: each element as a task of its own runs it
+        done = [_attend(p, b, 0, n, j0, j1) for b in elements]
+        return np.stack([o for o, _ in done]), np.stack([lse for _, lse in done])
     if o is None:
         keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
         values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
@@ -233,7 +241,7 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
     o = np.zeros((g, n, p.dv), dtype=acc_t)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
-    scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the one tile's
+    scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
     stack(queries.ctypes.data, d, queries.strides[0], batch_addresses(p.k, elements),
           p.k.strides[-2] // size, batch_addresses(p.v, elements), p.v.strides[-2] // size, d, m,
           l, o, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)

@@ -4,7 +4,7 @@ No new numerics. The forward and the backward run the whole batch as one task li
 pool (:func:`.cpu_runtime.run_tasks`): a unit is one query block of one batch element of one
 sequence (forward, :func:`.numpy.attend`) or one batch element of one sequence (backward,
 :func:`.numpy_backward.stacked_gradients`), or a stack of a sequence's elements (forward:
-where each is one tile, :func:`.numpy.attend_stacked`; backward: as many as one stack holds;
+where each is one query block, :func:`.numpy.attend_stacked`; backward: as many as one stack holds;
 one compiled call, the bits of a unit per element where the compiled loops run), on the sequence's own :class:`cuonline._validate.Problem`
 (:func:`sequence_problem`: views of its rows, no copy),
 writing straight into the packed results; consecutive short units share a task
@@ -182,7 +182,7 @@ def attention(p: Problem) -> tuple[Any, Any]:
 
     One task list on the pool: a unit is one query block (:func:`.numpy.blocks`) of one batch
     element of one sequence, over the keys its rows may see (:func:`.numpy.key_range`), or,
-    where each element of a sequence is one block over one key tile, a stack of its elements
+    where each element of a sequence is one query block, a stack of its elements
     (:func:`.numpy.stack_limit`, :func:`.numpy.attend_stacked`: one compiled call), and
     short units share a task. With fewer units than cores (a few long sequences), the
     sequences go by shape through :func:`.numpy.attention`, which splits key ranges."""
@@ -201,7 +201,7 @@ def attention(p: Problem) -> tuple[Any, Any]:
         sub = subs[b] = sequence_problem(p, b)
         stacked = numpy_forward.stack_limit(sub) if sub.nbatch >= 2 else None
         if stacked is not None and stacked[2] >= 2:
-            # every element one block over one key tile: its elements in stacks
+            # every element one query block: its elements in stacks
             j0, j1, most = stacked
             for a, z in stacks_of(sub.nbatch, most, 1):
                 units.append((b, slice(a, z), 0, lq, j0, j1))     # consecutive elements
