@@ -602,3 +602,25 @@ def test_the_product_bound_of_float32_inputs_is_an_upper_bound(rng):
     q[1, 3] = 1e20
     got = _lse_check.product_bound(np, q, k, 0.125)
     assert np.isfinite(got).all() and got[1, 3] > 1e20 * 7
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True, "bias": "bias"}], ids=["plain", "bias"])
+def test_an_lse_off_by_delta_scales_every_gradient_by_exp_minus_delta(options):
+    # the premise of the gradients' accuracy floor (tests/support.py, lse_rounding;
+    # docs/semantics.md): P = exp(s - lse) is recomputed from the lse given, while Delta comes
+    # from out, so every P, dS and gradient of a row scales by exp(-delta)
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 40, 8)) for _ in range(3))
+    if "bias" in options:
+        options = dict(options, bias=rng.standard_normal((40, 40)))
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape)
+    # within the lse check's float64 tolerance (a few 1e-14), about 45 ulps of each P
+    delta = 1e-14
+    base = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+    moved = cuonline.attention_backward(dout, q, k, v, out, lse + delta, **options)
+    for field in ("dq", "dk", "dv") + (("dbias",) if "bias" in options else ()):
+        b, m = getattr(base, field), getattr(moved, field)
+        size = delta * np.abs(b).max()
+        assert np.abs(m - b).max() >= 0.5 * size, field                    # it moved
+        assert np.abs(m - b * np.exp(-delta)).max() <= 0.2 * size, field  # by exp(-delta)

@@ -257,6 +257,21 @@ def test_stacks_read_strided_and_shared_keys_in_place(library, stacks, monkeypat
 
 
 @on_cblas
+def test_a_stack_of_several_key_tiles_that_cblas_cannot_read(library, stacks, monkeypatch, rng):
+    """Values with reversed columns and keys past one tile: no compiled walk and no batched
+    products (those take one tile); each element runs as its own task would, the same bits."""
+    q, k, v = inputs(rng, (2, 3), 200, 2100, 8, 8, np.float32)
+    v = v[..., ::-1]                                 # columns reversed: CBLAS cannot read it
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    assert stacks and not any(stacks)
+    want, want_lse = per_element(
+        monkeypatch, lambda: cuonline.attention(q, k, v, causal=True, return_lse=True))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    check_attention(q, k, v, out, lse, {"causal": True})
+
+
+@on_cblas
 def test_a_nan_in_a_stack_stays_in_the_rows_that_see_it(library, stacks, rng):
     q, k, v = (rng.standard_normal((6, 30, 8)) for _ in range(3))
     v[4, 10] = np.nan

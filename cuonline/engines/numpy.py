@@ -207,8 +207,8 @@ def attend_stacked(p, elements, j0, j1):
     o = _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l)
     if o is None and w > key_tile(n, *blocks(acc_t)):
         # keys past one tile and no compiled walk: each element as a task of its own runs it
-        done = [_attend(p, b, 0, n, j0, j1) for b in elements]
-        return np.stack([o for o, _ in done]), np.stack([lse for _, lse in done])
+        outs, lses = zip(*(_attend(p, b, 0, n, j0, j1) for b in elements))
+        return np.stack(outs), np.stack(lses)
     if o is None:
         keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
         values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
