@@ -4,6 +4,8 @@ per element."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from support import check_attention
@@ -11,6 +13,7 @@ from support import check_attention
 import cuonline
 from cuonline import _validate
 from cuonline.engines import numpy as numpy_engine
+from cuonline.engines.numpy_scores import SLICE_BYTES
 
 SHAPES = [((3, 5), 1, 1, 8), ((2, 4), 64, 64, 32), ((7,), 100, 130, 16), ((2, 3), 256, 256, 64)]
 OPTIONS = [{}, {"causal": True}, {"window": (20, 3)}, {"causal": True, "q_offset": 5},
@@ -55,14 +58,46 @@ def test_stacks_agree_with_the_oracle_and_the_per_element_path(rng, monkeypatch,
                                single if lse is None else single[0], rtol=0, atol=1e-6)
 
 
-def test_a_stack_never_outgrows_one_score_tile_and_feeds_every_core(rng):
-    q, k, v = data(rng, (40, 3), 32, 48, 8)
+@contextlib.contextmanager
+def without_compiled_walk(monkeypatch):
+    """Within: no stack takes the compiled walk (as where numba or a CBLAS is missing, or
+    CBLAS cannot read the keys or values in place)."""
+    with monkeypatch.context() as m:
+        m.setattr(numpy_engine, "_stack_walk", lambda p, element: None)
+        yield
+
+
+def test_compiled_stacks_hold_their_queries_and_outputs_within_a_slice(rng):
+    # the compiled walk reads keys and values in place through one score tile: the stacks
+    # are as few as feed every core, however many elements that puts beside one score tile
+    q, k, v = data(rng, (40, 3), 64, 96, 8)
     p = _validate.validate_attention(q, k, v)
     stacks = numpy_engine.stack_plan(p)
     rows, keys = numpy_engine.blocks(p.acc_dtype)
     assert sum(len(elements) for elements, _, _ in stacks) == 120
-    assert all(len(elements) * 32 * 48 <= rows * keys for elements, _, _ in stacks)
+    assert len(stacks) == 2                      # one stack per core
+    assert all(len(elements) * 64 * 96 > rows * keys for elements, _, _ in stacks)
+    # a head dimension whose queries and outputs fill the slice: stacks of the most that fit
+    q, k, v = data(rng, (6,), 32, 48, 2048)
+    p = _validate.validate_attention(q, k, v)
+    most = numpy_engine.stack_limit(p)[2]
+    assert most == SLICE_BYTES // (32 * (2048 + 2048) * 4) == 8
+    q, k, v = data(rng, (6,), 32, 48, 16384)
+    assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v)) is None
+
+
+def test_without_the_compiled_walk_a_stack_never_outgrows_one_score_tile(rng, monkeypatch):
+    q, k, v = data(rng, (40, 3), 64, 96, 8)
+    p = _validate.validate_attention(q, k, v)
+    with without_compiled_walk(monkeypatch):
+        stacks = numpy_engine.stack_plan(p)
+        out = cuonline.attention(q, k, v)
+    rows, keys = numpy_engine.blocks(p.acc_dtype)
+    assert sum(len(elements) for elements, _, _ in stacks) == 120
+    assert all(len(elements) * 64 * 96 <= rows * keys for elements, _, _ in stacks)
     assert len(stacks) >= 2                      # at least one stack per core
+    np.testing.assert_array_equal(out, cuonline.attention(q, k, v))
+    check_attention(q, k, v, out, None, {})
 
 
 @pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
@@ -73,14 +108,20 @@ def test_score_terms_take_the_general_path(rng, options):
     assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v, **options)) is None
 
 
-def test_long_or_single_sequences_take_the_general_path(rng):
-    # one element; more queries than a block; a stack of one element (a block's queries
-    # against a tile's keys fill the score tile)
+def test_long_or_single_sequences_take_the_general_path(rng, monkeypatch):
+    # one element; more queries than a block
     rows, keys = numpy_engine.blocks(np.float32)
-    width = numpy_engine.key_tile(rows, rows, keys)
-    for batch, lq, lk in (((1,), 16, 16), ((2,), rows + 1, 16), ((4,), rows, width)):
+    for batch, lq, lk in (((1,), 16, 16), ((2,), rows + 1, 16)):
         q, k, v = data(rng, batch, lq, lk, 4)
         assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v)) is None
+    # without the compiled walk, a stack of one element: a block's queries against a tile's
+    # keys fill the batched products' score tile (the compiled walk stacks them)
+    width = numpy_engine.key_tile(rows, rows, keys)
+    q, k, v = data(rng, (4,), rows, width, 4)
+    p = _validate.validate_attention(q, k, v)
+    assert numpy_engine.stack_plan(p)
+    with without_compiled_walk(monkeypatch):
+        assert numpy_engine.stack_plan(p) is None
 
 
 def test_keys_past_one_tile_are_stacked(rng):

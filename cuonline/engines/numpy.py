@@ -168,11 +168,13 @@ def stack_plan(p):
 def stack_limit(p):
     """``(j0, j1, most)`` where the batch elements of ``p`` may run as stacks
     (:func:`attend_stacked`): the keys ``[j0, j1)`` every element's queries see, and the most
-    elements one stack may hold (stacked copies of q, k and v within ``SLICE_BYTES``: a head
-    dimension in the millions, broadcast from a few numbers, is multiplied in slices by the
-    general path instead; where the keys fit one tile, also no more than fill one score tile,
-    the batched products' tile). None where they may not: any array option but the window
-    band or a soft cap, queries past one block.
+    elements one stack may hold: as many as keep the stack's copies within ``SLICE_BYTES`` (a
+    head dimension in the millions, broadcast from a few numbers, is multiplied in slices by
+    the general path instead). The compiled walk (:func:`_stack_walk`) copies the scaled
+    queries and holds the outputs, reading keys and values in place through one score tile;
+    without it the stack also copies its keys and values, and where they fit one tile it
+    takes no more elements than fill one score tile, the batched products' tile. None where
+    they may not: any array option but the window band or a soft cap, queries past one block.
     """
     if (p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
             or tile_kernel(p.acc_dtype) is None):
@@ -181,9 +183,10 @@ def stack_limit(p):
     j0, j1 = key_range(p, (0,) * len(p.batch_shape), 0, p.lq)
     if p.lq > block_q or j1 == j0:
         return None
-    copies = (p.lq * p.d + (j1 - j0) * (p.d + p.dv)) * p.acc_dtype.itemsize
-    most = SLICE_BYTES // max(copies, 1)
-    if j1 - j0 <= key_tile(p.lq, block_q, block_k):
+    compiled = _stack_walk(p, (0,) * len(p.batch_shape)) is not None
+    copies = p.lq * (p.d + p.dv) if compiled else p.lq * p.d + (j1 - j0) * (p.d + p.dv)
+    most = SLICE_BYTES // max(copies * p.acc_dtype.itemsize, 1)
+    if not compiled and j1 - j0 <= key_tile(p.lq, block_q, block_k):
         most = min(most, block_q * block_k // (p.lq * (j1 - j0)))
     return j0, j1, most
 
@@ -229,13 +232,11 @@ def attend_stacked(p, elements, j0, j1):
 def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
     """The unnormalised outputs ``(G, Lq, Dv)`` of a stack's elements after their walks over
     keys ``[j0, j1)`` in one compiled call (:func:`._task_kernels.forward_stack`), ``m`` and
-    ``l`` updated in place; None (nothing done) where :func:`_compiled_walk` would not take
-    them: scaled ``queries`` ``(G, Lq, D)``, the plain score of every stack."""
+    ``l`` updated in place; None (nothing done) where :func:`_stack_walk` finds no compiled
+    walk for them: scaled ``queries`` ``(G, Lq, D)``, the plain score of every stack."""
     acc_t = p.acc_dtype
-    # every element is a view of one array with the same strides: its first tells for all
-    first = (queries[0], p.k[elements[0]], p.v[elements[0]])
-    found = compiled_task(acc_t, "forward_stack", first)
-    if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
+    found = _stack_walk(p, elements[0])
+    if found is None:
         return None
     (blas, stack), size, (g, n, d) = found, acc_t.itemsize, queries.shape
     o = np.zeros((g, n, p.dv), dtype=acc_t)
@@ -246,6 +247,17 @@ def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
           p.k.strides[-2] // size, batch_addresses(p.v, elements), p.v.strides[-2] // size, d, m,
           l, o, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
     return o
+
+
+def _stack_walk(p, element):
+    """``(library, kernel)`` of the compiled walk of a stack (:func:`._task_kernels.forward_stack`)
+    of ``p``'s batch elements, or None where it does not apply. Every element is a view of one
+    array with the same strides, so ``element``'s keys and values tell for all; the stacked
+    queries, a fresh C-ordered copy in the accumulation dtype with the keys' head dimension,
+    are read wherever the keys are."""
+    if not (p.k.flags.aligned and p.v.flags.aligned):
+        return None
+    return compiled_task(p.acc_dtype, "forward_stack", (p.k[element], p.v[element]))
 
 
 def plain_score(p):
