@@ -270,6 +270,38 @@ def test_compiled_code_is_cached_across_processes(tmp_path):
     assert index
 
 
+_CACHE_USE = ("import json, numpy as np; from cuonline.engines import _task_kernels as t; "
+              "t.compile_for('forward_task', np.float32); s = t.forward_task.stats; "
+              "print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))")
+
+
+@pytest.mark.slow
+def test_the_task_loops_cache_goes_stale_with_the_tile_kernels_file(tmp_path):
+    """numba drops a cached function when its own file changes; the task loops inline the
+    tile kernels, so an edit of _tile_kernels.py (or cblas.py) must drop theirs too, or they
+    run the old tile kernel. A copy of the package is edited, not the one under test."""
+    import shutil
+
+    package = tmp_path / "src" / "cuonline"
+    shutil.copytree(os.path.dirname(cuonline.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(tmp_path / "src"))
+
+    def hits_and_misses():
+        run = subprocess.run([sys.executable, "-c", _CACHE_USE], env=env, check=True,
+                             timeout=300, capture_output=True, text=True, cwd=tmp_path)
+        return json.loads(run.stdout.splitlines()[-1])
+
+    assert hits_and_misses() == [0, 1]                # compiled and saved
+    assert hits_and_misses() == [1, 0]                # loaded
+    for name in ("_tile_kernels.py", "cblas.py"):
+        edited = package / "engines" / name
+        edited.write_text(edited.read_text() + "\n# an edit\n")
+        assert hits_and_misses() == [0, 1], name      # stale: compiled again
+        assert hits_and_misses() == [1, 0], name
+
+
 def softmax_rows_case(dtype, rng):
     x = (rng.standard_normal((2, 7, 1300)) * 30).astype(dtype)
     x[0, 0] = -np.inf                                   # nothing visible: 0, -inf, -inf

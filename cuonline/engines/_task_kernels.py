@@ -35,12 +35,15 @@ serves any library: :func:`_gemm` is an LLVM ``inttoptr`` and a C call of CBLAS'
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import _tile_kernels, cblas
 from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
                             online_softmax_tile)
 from .cblas import ROW_MAJOR, layout_of
@@ -359,6 +362,29 @@ Returns
     where a tile of the next element had a P or dS not all finite (its tiles before that one
     added, nothing of it; the caller does the rest of it and the elements after it).
 """
+
+
+def _stamped_with(kernel, modules):
+    """Make ``kernel``'s on-disk cache stale whenever the source file of one of ``modules``
+    changes, not only its own (numba's rule): the task loops inline the tile kernels and
+    CBLAS's layout rule, and a cache keyed on this file alone would go on running their old
+    code after an edit of ``_tile_kernels.py`` or ``cblas.py``. The index numba keeps beside
+    the compiled code records a stamp of the source file and is dropped when the stamp
+    differs; the stamps of ``modules``' files are folded into it. Where numba keeps no such
+    stamp (no cache here, another numba), nothing changes."""
+    cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+    stamp = getattr(cache_file, "_source_stamp", None)
+    if stamp is None:
+        return
+    files = []
+    for module in modules:
+        st = os.stat(module.__file__)
+        files.append((st.st_mtime, st.st_size))
+    cache_file._source_stamp = (stamp, tuple(files))
+
+
+for _kernel in (forward_task, forward_stack, backward_block, backward_stack):
+    _stamped_with(_kernel, (_tile_kernels, cblas))
 
 
 def _warm_up_backward(dtype):
