@@ -30,7 +30,9 @@ Python loop's.
 The library is called through its function's address (:meth:`.cpu_blas.Cblas.address`),
 passed as an integer, so that the compiled code is cached on disk like the tile kernels' and
 serves any library: :func:`_gemm` is an LLVM ``inttoptr`` and a C call of CBLAS's row-major
-``?gemm``, compiled for 32- and for 64-bit integers, the flag ``wide`` choosing.
+``?gemm``, compiled for 32- and for 64-bit integers, the flag ``wide`` choosing. That cache
+is dropped when ``_tile_kernels.py`` or ``cblas.py`` changes as well as this file
+(:func:`_stamped_with`; numba's own rule looks at this file only).
 """
 
 from __future__ import annotations
