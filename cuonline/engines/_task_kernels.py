@@ -37,7 +37,7 @@ is dropped when ``_tile_kernels.py`` or ``cblas.py`` changes as well as this fil
 
 from __future__ import annotations
 
-import os
+import hashlib
 
 import numba
 import numpy as np
@@ -366,27 +366,31 @@ Returns
 """
 
 
-def _stamped_with(kernel, modules):
-    """Make ``kernel``'s on-disk cache stale whenever the source file of one of ``modules``
-    changes, not only its own (numba's rule): the task loops inline the tile kernels and
-    CBLAS's layout rule, and a cache keyed on this file alone would go on running their old
-    code after an edit of ``_tile_kernels.py`` or ``cblas.py``. The index numba keeps beside
-    the compiled code records a stamp of the source file and is dropped when the stamp
-    differs; the stamps of ``modules``' files are folded into it. Where numba keeps no such
-    stamp (no cache here, another numba), nothing changes."""
-    cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-    stamp = getattr(cache_file, "_source_stamp", None)
-    if stamp is None:
+def _stamped_with(kernels, modules):
+    """Make the ``kernels``' on-disk caches stale whenever the source file of one of
+    ``modules`` changes, not only their own (numba's rule): the task loops inline the tile
+    kernels and CBLAS's layout rule, and a cache keyed on this file alone would go on running
+    their old code after an edit of ``_tile_kernels.py`` or ``cblas.py``. The index numba
+    keeps beside the compiled code records a stamp of the source file and is dropped when the
+    stamp differs; a digest of ``modules``' files is folded into it. Where numba keeps no such
+    stamp (no cache here, another numba) or a file cannot be read (a zipped install), nothing
+    changes."""
+    digest = hashlib.sha256()
+    try:
+        for module in modules:
+            with open(module.__file__, "rb") as f:
+                digest.update(f.read())
+    except (OSError, TypeError):                # no file, or __file__ None
         return
-    files = []
-    for module in modules:
-        st = os.stat(module.__file__)
-        files.append((st.st_mtime, st.st_size))
-    cache_file._source_stamp = (stamp, tuple(files))
+    for kernel in kernels:
+        cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+        stamp = getattr(cache_file, "_source_stamp", None)
+        if stamp is not None:
+            cache_file._source_stamp = (stamp, digest.hexdigest())
 
 
-for _kernel in (forward_task, forward_stack, backward_block, backward_stack):
-    _stamped_with(_kernel, (_tile_kernels, cblas))
+_stamped_with((forward_task, forward_stack, backward_block, backward_stack),
+              (_tile_kernels, cblas))
 
 
 def _warm_up_backward(dtype):
