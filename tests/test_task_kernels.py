@@ -257,6 +257,23 @@ def test_stacks_read_strided_and_shared_keys_in_place(library, stacks, monkeypat
 
 
 @on_cblas
+@pytest.mark.parametrize("layout", ["rows reversed", "columns strided"])
+def test_stacks_copy_the_queries_cblas_cannot_read(library, stacks, monkeypatch, rng, layout):
+    """The compiled walk reads each element's queries in place where CBLAS could and scales
+    them itself; queries it cannot read so are copied once per stack first: the same bits as
+    a task per element, which scales its own copy."""
+    q, k, v = inputs(rng, (2, 3), 40, 70, 8, 8, np.float32)
+    q = q[..., ::-1, :] if layout == "rows reversed" else np.repeat(q, 2, axis=-1)[..., ::2]
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    assert stacks and all(stacks)
+    want, want_lse = per_element(
+        monkeypatch, lambda: cuonline.attention(q, k, v, causal=True, return_lse=True))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    check_attention(q, k, v, out, lse, {"causal": True})
+
+
+@on_cblas
 def test_a_stack_of_several_key_tiles_that_cblas_cannot_read(library, stacks, monkeypatch, rng):
     """Values with reversed columns and keys past one tile: no compiled walk and no batched
     products (those take one tile); each element runs as its own task would, the same bits."""

@@ -46,7 +46,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import _tile_kernels, cblas
-from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
+from ._tile_kernels import (_FLAGS, backward_tile, clip, compiled, full_vector_width,
                             online_softmax_tile)
 from .cblas import ROW_MAJOR, layout_of
 
@@ -90,6 +90,20 @@ def _gemm(typingctx, address, wide, trans_a, trans_b, m, n, k, a, lda, b, ldb, b
     sig = types.none(i64, types.boolean, i64, i64, i64, i64, i64, i64, i64, i64, i64, beta,
                      i64, i64)
     return sig, codegen
+
+
+@intrinsic
+def _pointer(typingctx, address, like):
+    """A pointer to floats of ``like``'s type (float32 or float64) at the integer ``address``,
+    for :func:`numba.carray`."""
+    if not isinstance(address, types.Integer) or like not in (types.float32, types.float64):
+        return None
+    pointer = types.CPointer(like)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
 
 
 @numba.njit
@@ -188,30 +202,73 @@ gemm, wide : int, bool
 """
 
 
-def _forward_stack(q, ldq, q_step, ks, ldk, vs, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
-                   hi0, span_rows, gemm, wide):
+def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s, j_lo, j_hi,
+                   width, lo0, hi0, span_rows, gemm, wide):
     full_vector_width()              # the inlined loops keep their width
+    n, d = queries.shape
+    zero = s.dtype.type(0)
     for g in range(m.shape[0]):
-        forward_task(q + g * q_step, ldq, ks[g], ldk, vs[g], ldv, d, m[g], l[g], o[g], s, j_lo,
-                     j_hi, width, lo0, hi0, span_rows, gemm, wide)
+        # the element's queries scaled into the scratch, as ScorePipeline scales a task's
+        rows = numba.carray(_pointer(qs[g], zero), (n, ldq))
+        for i in range(n):
+            for c in range(d):
+                queries[i, c] = rows[i, c] * scale
+        forward_task(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
+                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide)
+        finite[g] = _normalise(l[g], o[g])
+
+
+@numba.njit(fastmath=_FLAGS)
+def _normalise(l, o):
+    """``o / l`` row by row in place, as :func:`cuonline.engines.numpy._normalised` divides
+    (0 where ``l`` is 0, NaN where it is NaN); True when every ``o`` was finite before."""
+    full_vector_width()
+    n, dv = o.shape
+    zero = o.dtype.type(0)
+    check = zero
+    for i in range(n):
+        row = o[i]
+        for c in range(dv):
+            check += row[c] * zero          # NaN once any value is NaN or infinite
+    for i in range(n):
+        row, total = o[i], l[i]
+        if total > zero:
+            for c in range(dv):
+                row[c] = row[c] / total
+        else:
+            fill = zero if total == zero else o.dtype.type(np.nan)
+            for c in range(dv):
+                row[c] = fill
+    return check == zero
 
 
 forward_stack = compiled(_forward_stack)
-forward_stack.__doc__ = """:func:`forward_task` for each batch element of a stack, in one call:
-the walk of a batch of short sequences (:func:`cuonline.engines.numpy.attend_stacked`), the
-same products and tile kernel per element as a task of its own, with no Python between the
-elements.
+forward_stack.__doc__ = """:func:`forward_task` for each batch element of a stack, in one call,
+with what the Python around a task did: the walk of a batch of short sequences
+(:func:`cuonline.engines.numpy.attend_stacked`), the same products and tile kernel per element
+as a task of its own, with no Python between the elements.
+
+For each element: its queries times ``scale`` into the scratch ``queries`` (the same
+products as the task's scaled copy), the walk, then the output divided by the row sums in place
+(:func:`cuonline.engines.numpy._normalised`'s division) after a check that it is finite.
 
 Parameters
 ----------
-q, ldq, q_step : int
-    Address of element 0's scaled queries (n, d), their row stride, and the step in bytes
-    from one element's queries to the next.
+qs : (G,) int64 array
+    Addresses of row 0 of each element's queries (unscaled, of the dtype of ``s``), rows
+    ``ldq`` elements apart, each row contiguous.
+scale : float of the dtype of ``s``
+    The score scale.
+queries : (n, d) C-ordered array
+    Scratch for one element's scaled queries.
 ks, vs : (G,) int64 arrays
     Addresses of key row 0 and value row 0 of each element; ``ldk``, ``ldv``: their row
     strides in elements (the same for every element).
 m, l, o : arrays (G, n), (G, n), (G, n, dv), C-ordered
-    Each element's running max, sum and unnormalised output, updated.
+    Each element's running max and sum, updated, and its output: zeros in, normalised out.
+finite : (G,) bool array
+    Set to whether each element's unnormalised output was finite (the caller redoes the
+    others by the careful path).
 
 The other parameters are :func:`forward_task`'s, shared by the elements (one window band).
 """
@@ -409,9 +466,9 @@ def _warm_up_forward(dtype):
 
 def _warm_up_stack(dtype):
     none = np.zeros(0, np.int64)
-    forward_stack(0, 1, 0, none, 1, none, 1, 1, np.zeros((0, 0), dtype), np.zeros((0, 0), dtype),
-                  np.zeros((0, 0, 1), dtype), np.zeros(1, dtype), 0, 1, 1, none, none, 128, 0,
-                  False)
+    forward_stack(none, 1, dtype.type(1), np.zeros((0, 1), dtype), none, 1, none, 1,
+                  np.zeros((0, 0), dtype), np.zeros((0, 0), dtype), np.zeros((0, 0, 1), dtype),
+                  np.zeros(0, np.bool_), np.zeros(1, dtype), 0, 1, 1, none, none, 128, 0, False)
 
 
 def _warm_up_backward_stack(dtype):

@@ -170,8 +170,8 @@ def stack_limit(p):
     (:func:`attend_stacked`): the keys ``[j0, j1)`` every element's queries see, and the most
     elements one stack may hold: as many as keep the stack's copies within ``SLICE_BYTES`` (a
     head dimension in the millions, broadcast from a few numbers, is multiplied in slices by
-    the general path instead). The compiled walk (:func:`_stack_walk`) copies the scaled
-    queries and holds the outputs, reading keys and values in place through one score tile;
+    the general path instead). The compiled walk (:func:`_stack_walk`) holds the outputs and
+    at most a copy of the queries, reading keys and values in place through one score tile;
     without it the stack also copies its keys and values, and where they fit one tile it
     takes no more elements than fill one score tile, the batched products' tile. None where
     they may not: any array option but the window band or a soft cap, queries past one block.
@@ -194,66 +194,90 @@ def stack_limit(p):
 def attend_stacked(p, elements, j0, j1):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, Lq, Dv)`` and
     ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``:
-    :func:`_attend`'s steps on the stack. Where :func:`_compiled_walk` would take the
-    elements, their walks run in one compiled call (:func:`_compiled_stack`: each element's
-    tiles, products and tile kernel those of a task of its own, so the same bits, and no GIL
-    held); else, keys in one tile, each product is one batched call (BLAS per element, the
-    same products as :func:`_attend`'s Python loop), and keys past one tile, :func:`_attend`
-    per element. An element whose output is not finite is redone by :func:`_attend` (its
-    careful path keeps NaN in the rows that see it)."""
+    :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
+    it runs the elements in one call (:func:`_compiled_stack`: each element's scaled queries,
+    tiles, products, tile kernel and normalisation those of a task of its own, so the same
+    bits, and no GIL held); else, keys in one tile, each product is one batched call (BLAS per
+    element, the same products as :func:`_attend`'s Python loop), and keys past one tile,
+    :func:`_attend` per element. An element whose output is not finite is redone by
+    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     acc_t = p.acc_dtype
     g, n, w = len(elements), p.lq, j1 - j0
-    queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
-    pipeline = ScorePipeline(p, elements[0], 0, n, queries=queries[0])   # the band only
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)
-    o = _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l)
-    if o is None and w > key_tile(n, *blocks(acc_t)):
+    walked = _compiled_stack(p, elements, j0, j1, m, l)
+    if walked is not None:
+        o, finite = walked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse = (m + np.log(l)).astype(acc_t, copy=False)    # _normalised's lse
+    elif w > key_tile(n, *blocks(acc_t)):
         # keys past one tile and no compiled walk: each element as a task of its own runs it
         outs, lses = zip(*(_attend(p, b, 0, n, j0, j1) for b in elements))
         return np.stack(outs), np.stack(lses)
-    if o is None:
+    else:
+        queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
         keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
         values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
         s = product(queries, keys.transpose(0, 2, 1))
-        lo, hi = pipeline.window_columns(j0, w)
+        lo, hi = _band(p, elements[0]).window_columns(j0, w)
         # one tile: no output to rescale yet, so the kernel gets a zero-width one
         tile_kernel(acc_t)(s.reshape(g * n, w), m.reshape(g * n), l.reshape(g * n),
                            np.empty((g * n, 0), dtype=acc_t), np.tile(lo, g), np.tile(hi, g))
         o = product(s, values)
-    with np.errstate(invalid="ignore"):
-        finite = np.isfinite(o).all(axis=(1, 2))
-    o, lse = _normalised(m, l, o, acc_t)
+        with np.errstate(invalid="ignore"):
+            finite = np.isfinite(o).all(axis=(1, 2))
+        o, lse = _normalised(m, l, o, acc_t)
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
     return o, lse
 
 
-def _compiled_stack(p, elements, pipeline, queries, j0, j1, m, l):
-    """The unnormalised outputs ``(G, Lq, Dv)`` of a stack's elements after their walks over
-    keys ``[j0, j1)`` in one compiled call (:func:`._task_kernels.forward_stack`), ``m`` and
-    ``l`` updated in place; None (nothing done) where :func:`_stack_walk` finds no compiled
-    walk for them: scaled ``queries`` ``(G, Lq, D)``, the plain score of every stack."""
+_NO_QUERIES = np.empty((0, 0))
+
+
+def _band(p, element):
+    """The score pipeline of ``element``'s queries, for its window band alone (every element
+    of a stack has the same): built without the scaled queries it would copy."""
+    return ScorePipeline(p, element, 0, p.lq, queries=_NO_QUERIES)
+
+
+def _compiled_stack(p, elements, j0, j1, m, l):
+    """``(o, finite)`` of a stack's elements after their walks over keys ``[j0, j1)`` in one
+    compiled call (:func:`._task_kernels.forward_stack`): the normalised outputs
+    ``(G, Lq, Dv)``, and whether each element's output was finite before (the others are for
+    the caller to redo); ``m`` and ``l`` updated in place. None (nothing done) where
+    :func:`_stack_walk` finds no compiled walk: the plain score of every stack.
+
+    The kernel reads each element's queries in place where CBLAS could (rows of the
+    accumulation dtype), else from one stacked copy in it, and scales them itself."""
     acc_t = p.acc_dtype
     found = _stack_walk(p, elements[0])
     if found is None:
         return None
-    (blas, stack), size, (g, n, d) = found, acc_t.itemsize, queries.shape
+    (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), p.lq, p.d
+    first = p.q[elements[0]]       # every element a view with the same strides
+    if p.q.flags.aligned and blas.reads_rows(first, acc_t):
+        qs, ldq = batch_addresses(p.q, elements), first.strides[0] // size
+    else:
+        copy = np.stack([p.q[b] for b in elements], dtype=acc_t)
+        qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
     o = np.zeros((g, n, p.dv), dtype=acc_t)
+    finite = np.empty(g, dtype=np.bool_)
     width = key_tile(n, *blocks(acc_t))
-    lo, hi = pipeline.window_columns(0, j1)     # key indices, not tile columns
+    lo, hi = _band(p, elements[0]).window_columns(0, j1)     # key indices, not tile columns
     scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
-    stack(queries.ctypes.data, d, queries.strides[0], batch_addresses(p.k, elements),
-          p.k.strides[-2] // size, batch_addresses(p.v, elements), p.v.strides[-2] // size, d, m,
-          l, o, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
-    return o
+    stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
+          batch_addresses(p.k, elements), p.k.strides[-2] // size,
+          batch_addresses(p.v, elements), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
+          j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
+    return o, finite
 
 
 def _stack_walk(p, element):
     """``(library, kernel)`` of the compiled walk of a stack (:func:`._task_kernels.forward_stack`)
     of ``p``'s batch elements, or None where it does not apply. Every element is a view of one
-    array with the same strides, so ``element``'s keys and values tell for all; the stacked
-    queries, a fresh C-ordered copy in the accumulation dtype with the keys' head dimension,
+    array with the same strides, so ``element``'s keys and values tell for all; the scaled
+    queries, in a C-ordered scratch of the accumulation dtype with the keys' head dimension,
     are read wherever the keys are."""
     if not (p.k.flags.aligned and p.v.flags.aligned):
         return None
