@@ -270,6 +270,23 @@ def test_compiled_code_is_cached_across_processes(tmp_path):
     assert index
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_normalise_rows_divides_as_the_engine_normalises(dtype, rng):
+    """The forward stacks' last step: the bits of numpy._normalised's division (rows that saw
+    nothing are 0, a NaN sum gives NaN), and whether the output was finite before."""
+    o = rng.standard_normal((6, 13)).astype(dtype)
+    l = (rng.random(6) * 40 + 0.5).astype(dtype)
+    l[2], o[2] = 0, 0                                 # a row that saw no key
+    l[4] = np.nan
+    want, _ = numpy_engine._normalised(np.zeros(6, dtype), l.copy(), o.copy(), dtype)
+    got = o.copy()
+    assert tk.normalise_rows(l, got)
+    np.testing.assert_array_equal(got, want)
+    for bad in (np.inf, -np.inf, np.nan):
+        o[5, 3] = bad
+        assert not tk.normalise_rows(l, o.copy())
+
+
 _CACHE_USE = ("import json, numpy as np; from cuonline.engines import _task_kernels as t; "
               "t.compile_for('forward_task', np.float32); s = t.forward_task.stats; "
               "print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))")

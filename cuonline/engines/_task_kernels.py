@@ -46,8 +46,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import _tile_kernels, cblas
-from ._tile_kernels import (_FLAGS, backward_tile, clip, compiled, full_vector_width,
-                            online_softmax_tile)
+from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
+                            normalise_rows, online_softmax_tile)
 from .cblas import ROW_MAJOR, layout_of
 
 _layout = numba.njit(layout_of)
@@ -215,31 +215,7 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
                 queries[i, c] = rows[i, c] * scale
         forward_task(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
                      o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide)
-        finite[g] = _normalise(l[g], o[g])
-
-
-@numba.njit(fastmath=_FLAGS)
-def _normalise(l, o):
-    """``o / l`` row by row in place, as :func:`cuonline.engines.numpy._normalised` divides
-    (0 where ``l`` is 0, NaN where it is NaN); True when every ``o`` was finite before."""
-    full_vector_width()
-    n, dv = o.shape
-    zero = o.dtype.type(0)
-    check = zero
-    for i in range(n):
-        row = o[i]
-        for c in range(dv):
-            check += row[c] * zero          # NaN once any value is NaN or infinite
-    for i in range(n):
-        row, total = o[i], l[i]
-        if total > zero:
-            for c in range(dv):
-                row[c] = row[c] / total
-        else:
-            fill = zero if total == zero else o.dtype.type(np.nan)
-            for c in range(dv):
-                row[c] = fill
-    return check == zero
+        finite[g] = normalise_rows(l[g], o[g])
 
 
 forward_stack = compiled(_forward_stack)

@@ -4,7 +4,8 @@ The NumPy engine spends as long on the passes over each score tile (row max, sub
 row sum: one full pass each) as on its two matrix products. :func:`online_softmax_tile` does all
 of them in two sweeps over each row while the row is in L1: one for the max, one that writes
 ``exp(s - m)`` in place and sums it; :func:`backward_tile` does the backward's ``P`` and ``dS``
-in one sweep after a check of the row max. The matrix products stay in BLAS.
+in one sweep after a check of the row max; :func:`normalise_rows` divides a finished output by
+its row sums. The matrix products stay in BLAS.
 
 ``math.exp`` compiles to a scalar libm call per element (LLVM vectorizes it only with Intel's
 SVML), which is slower than NumPy's ufunc, so the exponential is written here in arithmetic that
@@ -427,6 +428,33 @@ The formulas of :mod:`cuonline.engines.softmax` (max subtracted first; a row wit
 visible gives 0, ``-inf``, ``-inf``), in three sweeps over each row (max; exp and sum; write)
 instead of five or more full-array passes.
 """
+
+
+@numba.njit(fastmath=_FLAGS)
+def normalise_rows(l, o):
+    """``o[i] / l[i]`` for each row ``i`` of the 2-d ``o``, in place, as
+    :func:`cuonline.engines.numpy._normalised` divides (0 where ``l`` is 0, NaN where it is
+    NaN): a division, never a product by the reciprocal (no ``arcp``), so the same bits.
+    Returns True when every ``o`` was finite before. The last step of each element of the
+    forward stacks (:func:`._task_kernels.forward_stack`)."""
+    full_vector_width()
+    n, dv = o.shape
+    zero = o.dtype.type(0)
+    check = zero
+    for i in range(n):
+        row = o[i]
+        for c in range(dv):
+            check += row[c] * zero          # NaN once any value is NaN or infinite
+    for i in range(n):
+        row, total = o[i], l[i]
+        if total > zero:
+            for c in range(dv):
+                row[c] = row[c] / total
+        else:
+            fill = zero if total == zero else o.dtype.type(np.nan)
+            for c in range(dv):
+                row[c] = fill
+    return check == zero
 
 
 def _warm_up_tile(dtype):
