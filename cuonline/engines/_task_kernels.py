@@ -224,9 +224,10 @@ with what the Python around a task did: the walk of a batch of short sequences
 (:func:`cuonline.engines.numpy.attend_stacked`), the same products and tile kernel per element
 as a task of its own, with no Python between the elements.
 
-For each element: its queries times ``scale`` into the scratch ``queries`` (the same
-products as the task's scaled copy), the walk, then the output divided by the row sums in place
-(:func:`cuonline.engines.numpy._normalised`'s division) after a check that it is finite.
+For each element: its queries times ``scale`` into the scratch ``queries`` (the
+multiplications that make a task's scaled copy), the walk, then the output divided by the row
+sums in place (:func:`cuonline.engines.numpy._normalised`'s division) after a check that it
+is finite.
 
 Parameters
 ----------
