@@ -33,7 +33,8 @@ from .cpu_blas import batch_addresses, compiled_task, product
 from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
                           workers)
 from .merge import merge_states
-from .numpy_scores import SLICE_BYTES, ScorePipeline, blas_ready, visible_product
+from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
+                           query_diagonals, visible_product)
 
 if TYPE_CHECKING:
     from .._validate import Problem
@@ -208,8 +209,7 @@ def attend_stacked(p, elements, j0, j1):
     walked = _compiled_stack(p, elements, j0, j1, m, l)
     if walked is not None:
         o, finite = walked
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lse = (m + np.log(l)).astype(acc_t, copy=False)    # _normalised's lse
+        lse = _lse(m, l, acc_t)
     elif w > key_tile(n, *blocks(acc_t)):
         # keys past one tile and no compiled walk: each element as a task of its own runs it
         outs, lses = zip(*(_attend(p, b, 0, n, j0, j1) for b in elements))
@@ -219,7 +219,7 @@ def attend_stacked(p, elements, j0, j1):
         keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
         values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
         s = product(queries, keys.transpose(0, 2, 1))
-        lo, hi = _band(p, elements[0]).window_columns(j0, w)
+        lo, hi = _band(p, j0, w)
         # one tile: no output to rescale yet, so the kernel gets a zero-width one
         tile_kernel(acc_t)(s.reshape(g * n, w), m.reshape(g * n), l.reshape(g * n),
                            np.empty((g * n, 0), dtype=acc_t), np.tile(lo, g), np.tile(hi, g))
@@ -232,13 +232,10 @@ def attend_stacked(p, elements, j0, j1):
     return o, lse
 
 
-_NO_QUERIES = np.empty((0, 0))
-
-
-def _band(p, element):
-    """The score pipeline of ``element``'s queries, for its window band alone (every element
-    of a stack has the same): built without the scaled queries it would copy."""
-    return ScorePipeline(p, element, 0, p.lq, queries=_NO_QUERIES)
+def _band(p, js, width):
+    """:func:`.numpy_scores.band_columns` of every query of a stack's elements (they share
+    one window band) for a tile of ``width`` keys from ``js``."""
+    return band_columns(query_diagonals(p, 0, p.lq), *p.window, js, width)
 
 
 def _compiled_stack(p, elements, j0, j1, m, l):
@@ -264,7 +261,7 @@ def _compiled_stack(p, elements, j0, j1, m, l):
     o = np.zeros((g, n, p.dv), dtype=acc_t)
     finite = np.empty(g, dtype=np.bool_)
     width = key_tile(n, *blocks(acc_t))
-    lo, hi = _band(p, elements[0]).window_columns(0, j1)     # key indices, not tile columns
+    lo, hi = _band(p, 0, j1)     # key indices, not tile columns
     scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
     stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
           batch_addresses(p.k, elements), p.k.strides[-2] // size,
@@ -333,13 +330,19 @@ def _normalised(m, l, o, acc_t):
     seen = l > 0
     if seen.all():                    # every row saw a key (and no sum is NaN): one pass
         o /= l[..., None]
-        return o, (m + np.log(l)).astype(acc_t, copy=False)
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(o, l[..., None], out=o, where=seen[..., None])
+            o[~seen] = 0
+            o[np.isnan(l)] = np.nan
+    return o, _lse(m, l, acc_t)
+
+
+def _lse(m, l, acc_t):
+    """``m + log(l)`` in ``acc_t``: ``-inf`` for a row that sees no key (``l`` 0), NaN for a
+    NaN sum; the compiled stacks divide their outputs themselves and take only this."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        np.divide(o, l[..., None], out=o, where=seen[..., None])
-        o[~seen] = 0
-        o[np.isnan(l)] = np.nan
-        lse = m + np.log(l)
-    return o, lse.astype(acc_t, copy=False)
+        return (m + np.log(l)).astype(acc_t, copy=False)
 
 
 def _online(p, b, i0, i1, j_lo, j_hi, careful):

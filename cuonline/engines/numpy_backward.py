@@ -40,8 +40,8 @@ from .cpu_blas import batch_addresses, compiled_task, product
 from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
                           workers)
 from .numpy import plain_score
-from .numpy_scores import (SLICE_BYTES, ScorePipeline, blas_ready, skewed,
-                           spanned_product, visible_product)
+from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
+                           query_diagonals, skewed, spanned_product, visible_product)
 
 if TYPE_CHECKING:
     from .._validate import BackwardProblem
@@ -476,7 +476,7 @@ def _compiled_stack(bp, elements, buffers, sums):
                      dtype=np.int64).reshape(-1, 4)
     if not len(tiles):                  # no row sees a key (an lse of -inf was expected)
         return 0, 0
-    lo, hi = ScorePipeline(p, first, 0, p.lq, qs[0]).window_columns(0, p.lk)
+    lo, hi = band_columns(query_diagonals(p, 0, p.lq), *p.window, 0, p.lk)
     n, w = int((tiles[:, 1] - tiles[:, 0]).max()), int((tiles[:, 3] - tiles[:, 2]).max())
     row_sums = np.zeros(lse.shape, dtype=acc)
     (blas, stack), size = found, acc.itemsize

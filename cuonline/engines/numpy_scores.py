@@ -29,7 +29,7 @@ import numpy as np
 
 from .cpu_blas import product
 
-__all__ = ["ScorePipeline", "blas_ready", "visible_product", "spanned_product", "soft_cap",
+__all__ = ["ScorePipeline", "band_columns", "query_diagonals", "blas_ready", "visible_product", "spanned_product", "soft_cap",
            "skewed", "REL_ROWS", "SLICE_BYTES"]
 
 # Query rows per product of the relative logits (see ScorePipeline.add_relative_logits).
@@ -64,7 +64,7 @@ class ScorePipeline:
             queries = blas_ready(self._query_view, acc) * self.scale
         self.queries = queries                 # None: products in slices of D
         self.first_diag = i0 + p.diagonal_offset             # key facing query i0
-        self.diag = np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)
+        self.diag = query_diagonals(p, i0, i1)
         self.left, self.right = p.window
         self.cap = None if p.softcap is None else acc.type(p.softcap)
         self.cap_whole_logit = p.softcap_bias
@@ -125,11 +125,7 @@ class ScorePipeline:
     def window_columns(self, js, width):
         """``(lo, hi)``: row ``i`` sees the tile's columns ``[lo[i], hi[i])`` of a tile of
         ``width`` keys from ``js`` by the window band alone (int64, not clipped)."""
-        lo = (np.zeros(self.n, dtype=np.int64) if self.left is None
-              else self.diag - self.left - js)
-        hi = (np.full(self.n, width, dtype=np.int64) if self.right is None
-              else self.diag + self.right + 1 - js)
-        return lo, hi
+        return band_columns(self.diag, self.left, self.right, js, width)
 
     def row_spans(self, js, width, w, rows):
         """``[(r0, r1, c0, c1), ...]``: for each group of ``rows`` query rows, the columns
@@ -285,6 +281,22 @@ def _visible_product(a, b, visible, b_finite):
     with np.errstate(invalid="ignore", over="ignore"):
         part = np.where(seen_bad[:, :, None], a[:, bad, None] * b_bad[None], 0)
         return product(a, b) + part.sum(axis=1)
+
+
+def band_columns(diag, left, right, js, width):
+    """``(lo, hi)``: the query whose key-facing diagonal is ``diag[i]`` sees the columns
+    ``[lo[i], hi[i])`` of a tile of ``width`` keys from ``js`` under the window band
+    ``(left, right)`` (None: unbounded) alone; int64, not clipped. A stack's elements share
+    one band, so its drivers take it here rather than from a :class:`ScorePipeline`."""
+    lo = np.zeros(len(diag), dtype=np.int64) if left is None else diag - left - js
+    hi = np.full(len(diag), width, dtype=np.int64) if right is None else diag + right + 1 - js
+    return lo, hi
+
+
+def query_diagonals(p, i0, i1):
+    """The key facing each of the queries ``[i0, i1)`` of ``p`` (int64): the diagonal the
+    window band is measured from."""
+    return np.arange(i0, i1, dtype=np.int64) + np.int64(p.diagonal_offset)
 
 
 def blas_ready(x, dtype):
