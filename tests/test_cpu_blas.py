@@ -115,6 +115,39 @@ def test_stacks_of_products_match_the_exact_products(library, rng, dtype):
         np.testing.assert_allclose(out, exact + 1, rtol=0, atol=tolerance)
 
 
+def _placed(x, offset):
+    """A copy of ``x`` whose data starts ``offset`` elements past a 64-byte boundary."""
+    per_line = 64 // x.itemsize
+    buffer = np.empty(x.size + 2 * per_line, dtype=x.dtype)
+    start = (-(buffer.ctypes.data // x.itemsize)) % per_line + offset
+    placed = buffer[start:start + x.size].reshape(x.shape)
+    placed[...] = x
+    return placed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(512, 1024, 64, "kT"), (512, 64, 1024, "v"),
+                                   (333, 77, 129, "kT"), (7, 64, 513, "v")])
+def test_a_products_bits_do_not_follow_the_alignment_of_its_operands(library, rng, dtype,
+                                                                     shape):
+    # The engines' tasks multiply views of the user's arrays and buffers of their own, wherever
+    # they lie in memory: results the same for every ``workers`` need products whose rounding
+    # does not follow an operand's address (MKL: its reproducibility mode). The tiles' shapes,
+    # q kᵀ (transposed keys) and P v (added into the output), and odd ones.
+    m, n, k, kind = shape
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if kind == "kT" else (k, n)).astype(dtype)
+    c = rng.standard_normal((m, n)).astype(dtype)
+    first = None
+    for offsets in [(0, 0, 0), (1, 0, 0), (0, 3, 0), (0, 0, 5), (3, 1, 7), (2, 5, 1)]:
+        lhs, rhs, out = (_placed(x, o) for x, o in zip((a, b, c), offsets))
+        cpu_blas.product(lhs, rhs.T if kind == "kT" else rhs, out, add=True)
+        if first is None:
+            first = out
+        else:
+            np.testing.assert_array_equal(out, first, err_msg=f"offsets {offsets}")
+
+
 def test_non_finite_operands_propagate_as_in_numpy(library):
     a = np.ones((4, 3), dtype=np.float32)
     b = np.ones((3, 5), dtype=np.float32)
