@@ -9,14 +9,14 @@
 ``numpy_backward._stacks``: several elements per compiled call) against a task per element
 (each element's own compiled walk or key blocks) instead: the same bits, other task lists.
 
-For the plain score the forward walks a query block's key tiles in one compiled call
-(``cuonline/engines/_task_kernels.py``: ``forward_task``) and the backward does a key block's
-query tiles in one (``backward_block``), BLAS called from compiled code; every other call runs
-the engine's Python loop over the same tiles, with the same products and the same bits. This
-script runs each case both ways, alternating the two within the process (the compiled form
-switched off through the engine's ``_compiled_walk`` and ``_compiled_block``, as
-``tests/test_task_kernels.py`` does), and prints each form's best GFLOP/s and the ratio of the
-median times, compiled / Python loop: below 1 is the compiled form's gain.
+For the plain score the forward walks query blocks' key tiles in compiled calls
+(``cuonline/engines/_task_kernels.py``: ``forward_stack``, a stack of blocks, each its
+``forward_task``) and the backward does a key block's query tiles in one (``backward_block``),
+BLAS called from compiled code; every other call runs the engine's Python loop over the same
+tiles, with the same products and the same bits. This script runs each case both ways,
+alternating the two within the process (the compiled form switched off through the engine's
+``_stack_walk`` and ``_compiled_block``), and prints each form's best GFLOP/s and the ratio
+of the median times, compiled / Python loop: below 1 is the compiled form's gain.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import cuonline
 from cuonline.engines import numpy as forward
 from cuonline.engines import numpy_backward as backward
 
-COMPILED = (forward._compiled_walk, backward._compiled_block)
+COMPILED = (forward._stack_walk, backward._compiled_block)
 STACKS = (forward.stack_plan, backward._stacks)
 # per comparison: the form switched off, then the form switched on (the ratio's numerator)
 FORMS = {"loops": ("Python loop", "compiled"), "stacks": ("task per element", "stacks")}
@@ -41,10 +41,10 @@ FORMS = {"loops": ("Python loop", "compiled"), "stacks": ("task per element", "s
 
 def use(form):
     """Run the engine with one form of the comparisons in FORMS on, the others as shipped."""
-    forward._compiled_walk, backward._compiled_block = COMPILED
+    forward._stack_walk, backward._compiled_block = COMPILED
     forward.stack_plan, backward._stacks = STACKS
     if form == "Python loop":
-        forward._compiled_walk = lambda *args: False
+        forward._stack_walk = lambda p, element: None
         backward._compiled_block = lambda *args: 0
     elif form == "task per element":
         forward.stack_plan = lambda p: None

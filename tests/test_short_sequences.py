@@ -1,6 +1,7 @@
-"""A batch of short sequences on the NumPy engine: every query in one block and every key it
-sees in one tile, run as stacks of batch elements (``numpy.stack_plan``) rather than one task
-per element."""
+"""A batch of sequences on the NumPy engine run as stacks of batch elements
+(``numpy.stack_plan``) rather than one task per element and query block: short sequences,
+every query in one block, as whole elements; longer ones (where the compiled walk applies)
+query block by query block."""
 
 from __future__ import annotations
 
@@ -74,9 +75,9 @@ def test_compiled_stacks_hold_their_queries_and_outputs_within_a_slice(rng):
     p = _validate.validate_attention(q, k, v)
     stacks = numpy_engine.stack_plan(p)
     rows, keys = numpy_engine.blocks(p.acc_dtype)
-    assert sum(len(elements) for elements, _, _ in stacks) == 120
+    assert sum(len(elements) for elements, *_ in stacks) == 120
     assert len(stacks) == 2                      # one stack per core
-    assert all(len(elements) * 64 * 96 > rows * keys for elements, _, _ in stacks)
+    assert all(len(elements) * 64 * 96 > rows * keys for elements, *_ in stacks)
     # a head dimension whose queries and outputs fill the slice: stacks of the most that fit
     q, k, v = data(rng, (6,), 32, 48, 2048)
     p = _validate.validate_attention(q, k, v)
@@ -93,8 +94,8 @@ def test_without_the_compiled_walk_a_stack_never_outgrows_one_score_tile(rng, mo
         stacks = numpy_engine.stack_plan(p)
         out = cuonline.attention(q, k, v)
     rows, keys = numpy_engine.blocks(p.acc_dtype)
-    assert sum(len(elements) for elements, _, _ in stacks) == 120
-    assert all(len(elements) * 64 * 96 <= rows * keys for elements, _, _ in stacks)
+    assert sum(len(elements) for elements, *_ in stacks) == 120
+    assert all(len(elements) * 64 * 96 <= rows * keys for elements, *_ in stacks)
     assert len(stacks) >= 2                      # at least one stack per core
     np.testing.assert_array_equal(out, cuonline.attention(q, k, v))
     check_attention(q, k, v, out, None, {})
@@ -130,7 +131,7 @@ def test_keys_past_one_tile_are_stacked(rng):
     width = numpy_engine.key_tile(rows // 2, rows, keys)
     q, k, v = data(rng, (8,), rows // 2, 2 * width + 5, 4)
     stacks = numpy_engine.stack_plan(_validate.validate_attention(q, k, v))
-    assert stacks and sum(len(elements) for elements, _, _ in stacks) == 8
+    assert stacks and sum(len(elements) for elements, *_ in stacks) == 8
 
 
 def test_a_nan_stays_in_the_rows_that_see_it(rng):
@@ -227,3 +228,51 @@ def test_a_finite_lse_for_rows_that_see_no_key_is_refused(rng, backward_machine,
     with pytest.raises(ValueError, match="`lse` must be the one attention returned"):
         cuonline.attention_backward(np.ones_like(out), q, k, v, out, np.zeros_like(lse),
                                     **options)
+
+
+def test_longer_sequences_stack_each_query_block(rng, monkeypatch):
+    # 1100 queries: blocks of 512, 512 and 76 rows, each stacked over the 6 elements (2
+    # stacks of 3: one per core); under the causal band each block sees the keys up to its
+    # last row's diagonal
+    q, k, v = data(rng, (2, 3), 1100, 1100, 8)
+    p = _validate.validate_attention(q, k, v, causal=True)
+    stacks = numpy_engine.stack_plan(p)
+    elements = list(np.ndindex(2, 3))
+    assert [(i0, i1, j0, j1) for _, i0, i1, j0, j1 in stacks] == [
+        (0, 512, 0, 512), (0, 512, 0, 512), (512, 1024, 0, 1024), (512, 1024, 0, 1024),
+        (1024, 1100, 0, 1100), (1024, 1100, 0, 1100)]
+    assert all(members == elements[:3] or members == elements[3:] for members, *_ in stacks)
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    check_attention(q, k, v, out, lse, {"causal": True})
+    single = per_element(monkeypatch, lambda: cuonline.attention(q, k, v, causal=True,
+                                                                 return_lse=True))
+    np.testing.assert_array_equal(out, single[0])
+    np.testing.assert_array_equal(lse, single[1])
+
+
+def test_query_blocks_past_the_keys_are_left_as_they_are(rng):
+    # a window band that lets the last block see no key: it gets no stack, and its rows
+    # 0 and -inf
+    q, k, v = data(rng, (4,), 1200, 600, 8)
+    options = {"q_offset": 0, "window": (0, 0)}    # row i sees key i only
+    stacks = numpy_engine.stack_plan(_validate.validate_attention(q, k, v, **options))
+    assert sorted({(i0, i1) for _, i0, i1, _, _ in stacks}) == [(0, 512), (512, 1024)]
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    assert (out[:, 600:] == 0).all() and (lse[:, 600:] == -np.inf).all()
+    check_attention(q, k, v, out, lse, options)
+
+
+@pytest.mark.parametrize("case", ["one element", "kv_lengths", "a bias", "no compiled walk"])
+def test_query_blocks_without_stacks(rng, monkeypatch, case):
+    # a stack of one element, per-element key ranges, a score term, no compiled walk: the
+    # general path's task per element and query block
+    batch = (1,) if case == "one element" else (4,)
+    q, k, v = data(rng, batch, 1100, 700, 8)
+    options = {"kv_lengths": np.array([700, 300, 5, 640])} if case == "kv_lengths" else (
+        {"bias": np.zeros((1100, 700), np.float32)} if case == "a bias" else {})
+    p = _validate.validate_attention(q, k, v, **options)
+    if case == "no compiled walk":
+        with without_compiled_walk(monkeypatch):
+            assert numpy_engine.stack_plan(p) is None
+    else:
+        assert numpy_engine.stack_plan(p) is None

@@ -43,7 +43,7 @@ def walks(monkeypatch):
 def python_loop(monkeypatch, fn):
     """``fn()`` with the engine's Python loop instead of the compiled walk."""
     with monkeypatch.context() as m:
-        m.setattr(numpy_engine, "_compiled_walk", lambda *args: False)
+        m.setattr(numpy_engine, "_compiled_walk", lambda *args: None)
         return fn()
 
 
@@ -171,7 +171,7 @@ def test_without_the_task_kernel_the_python_loop_runs(small_tiles, monkeypatch, 
     monkeypatch.setattr(_task_kernels, "compile_for", broken)
     monkeypatch.setattr(cpu_runtime, "compiled_kernels", {})
     q = rng.standard_normal((2, 90, 8))
-    with pytest.warns(RuntimeWarning, match="forward_task for float64 is unavailable"):
+    with pytest.warns(RuntimeWarning, match="forward_stack for float64 is unavailable"):
         out = cuonline.attention(q, q, q, causal=True)
     want = python_loop(monkeypatch, lambda: cuonline.attention(q, q, q, causal=True))
     np.testing.assert_array_equal(out, want)
@@ -201,14 +201,14 @@ def stacks(monkeypatch):
     the list of the compiled stack calls' outcomes (True: ran)."""
     plan_alike(monkeypatch, numpy_engine, 512)
     ran = []
-    original = numpy_engine._compiled_stack
+    original = numpy_engine._compiled_walks
 
     def counted(*args):
         o = original(*args)
         ran.append(o is not None)
         return o
 
-    monkeypatch.setattr(numpy_engine, "_compiled_stack", counted)
+    monkeypatch.setattr(numpy_engine, "_compiled_walks", counted)
     return ran
 
 
@@ -225,12 +225,14 @@ def per_element(monkeypatch, fn):
 @pytest.mark.parametrize("batch, lq, lk, d, dv", [((3, 4), 40, 40, 8, 8),
                                                   ((2, 5), 33, 70, 16, 5),
                                                   ((7,), 100, 61, 1, 3),
-                                                  ((2, 3), 200, 2100, 8, 8)])
+                                                  ((2, 3), 200, 2100, 8, 8),
+                                                  ((2, 3), 1100, 1300, 8, 4)])
 def test_stacks_give_the_bits_of_a_task_per_element(library, stacks, monkeypatch, rng, dtype,
                                                      band, batch, lq, lk, d, dv):
     """Every element of every stack as its own task would give it: the same products (row
     groups on the diagonal included), the same kernel, the output in its place; 200 queries
-    against 2100 keys walk three key tiles of 1024 (unless a window band narrows them)."""
+    against 2100 keys walk three key tiles of 1024 (unless a window band narrows them); 1100
+    queries are three query blocks, each of them stacked over the elements."""
     options = dict(BANDS[band])
     options.pop("kv_lengths", None)                  # stacks take one key range for all
     assert_same_bits(inputs(rng, batch, lq, lk, d, dv, dtype), options, stacks,

@@ -127,6 +127,7 @@ def test_a_failing_task_raises_in_the_caller_and_restores_blas(rng, monkeypatch)
         return real(p, b, i0, i1, j_lo, j_hi)
 
     monkeypatch.setattr(numpy_engine, "_attend", attend)
+    monkeypatch.setattr(numpy_engine, "stack_plan", lambda p: None)  # a task per block
     q, k, v = data(rng, (3,), 600, 100, 8)
     with pytest.raises(RuntimeError, match="task failed"):
         cuonline.attention(q, k, v, workers=2)
@@ -187,6 +188,7 @@ def _busiest(monkeypatch, call, expected):
 @pytest.mark.parametrize("workers, threads", [(1, 1), (2, 2), (5, 5), (None, 3), (-1, None)])
 def test_workers_is_the_number_of_threads(rng, monkeypatch, workers, threads):
     monkeypatch.setattr(numpy_engine, "workers", lambda: 3)     # "all cores" = 3 here
+    monkeypatch.setattr(numpy_engine, "stack_plan", lambda p: None)  # a task per block
     if threads is None:
         threads = os.cpu_count()
     q, k, v = data(rng, (4,), 520, 64, 8)                         # 4 x 3 = 12 tasks
@@ -226,6 +228,7 @@ def test_the_longest_tasks_start_first(rng, monkeypatch, workers):
     # causal: the lower query blocks see more keys; the pool starts them first so that no
     # thread is left alone with a long task at the end, and the results stay in place
     monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
+    monkeypatch.setattr(numpy_engine, "stack_plan", lambda p: None)  # a task per block
     q, k, v = data(rng, (2,), 400, 400, 16)
     expected = cuonline.attention(q, k, v, causal=True, workers=1)
     real, started, lock = numpy_engine._attend, [], threading.Lock()

@@ -555,7 +555,7 @@ def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
     """Tiles the window band crosses multiply each group of rows by the keys it may see
     only; the result is the whole-tile products' (up to the order of P·V's sums). The
     engine's Python loop (the compiled walk takes the same spans: test_task_kernels.py)."""
-    monkeypatch.setattr(numpy_engine, "_compiled_walk", lambda *args: False)
+    monkeypatch.setattr(numpy_engine, "_compiled_walk", lambda *args: None)
     spans = spans_of_crossed_tiles(numpy_engine, monkeypatch)
     q, k, v = (rng.standard_normal((2, 200, 8)) for _ in range(3))
     got = cuonline.attention(q, k, v, **options)

@@ -34,7 +34,7 @@ from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_ke
                           workers)
 from .merge import merge_states
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
-                           query_diagonals, visible_product)
+                           copy_is_large, query_diagonals, visible_product)
 
 if TYPE_CHECKING:
     from .._validate import Problem
@@ -83,12 +83,15 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
         flat_lse = lse.reshape((p.nbatch, p.lq))
 
         def run_stack(task):
-            elements, j0, j1 = task
+            elements, i0, i1, j0, j1 = task
             first = int(np.ravel_multi_index(elements[0], p.batch_shape))
-            flat_out[first:first + len(elements)], flat_lse[first:first + len(elements)] = (
-                attend_stacked(p, elements, j0, j1))
+            rows = slice(first, first + len(elements))
+            flat_out[rows, i0:i1], flat_lse[rows, i0:i1] = attend_stacked(p, elements, j0, j1,
+                                                                          i0, i1)
 
-        run_tasks(stacks, run_stack, n_workers)
+        # the longest first: under a causal band, the lower blocks see more keys
+        run_tasks(stacks, run_stack, n_workers,
+                  cost=lambda t: len(t[0]) * (t[2] - t[1]) * (t[4] - t[3]))
         return out, (lse if p.return_lse else None)
     blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
@@ -144,26 +147,60 @@ def plan(p):
 
 
 def stack_plan(p):
-    """The tasks of a batch of short sequences, ``[(batch elements, j0, j1), ...]``, or None
-    where :func:`plan` applies.
+    """The tasks of a batch run as stacks of elements, ``[(batch elements, i0, i1, j0, j1),
+    ...]``: the queries ``[i0, i1)`` of each of the (consecutive) elements over keys
+    ``[j0, j1)``; or None where :func:`plan` applies.
 
-    When every query of a batch element fits one block, a task per element would spend as
-    long in Python between its small products as in them (measured at L = 256, keys in one
-    tile: about 100 us of each 280 us task). Such a batch runs as stacks of
-    consecutive elements (in the C order of the batch shape) instead, each stack one compiled
-    call or one batched product per step (:func:`attend_stacked`), at most
-    :func:`stack_limit`'s elements per stack, in a multiple of the cores' count of stacks
+    A task of one element and query block spends time in Python around its compiled walk:
+    measured at L = 256, keys in one tile, about 100 us of each 280 us task; and after the
+    walk's tiles have filled the caches, the Python after it runs from cold caches (about
+    150 us of each 1.4 ms 512 x 1024 tile on machine C). So where every query of an element
+    fits one block (:func:`stack_limit`), the batch runs as stacks of consecutive elements
+    (in the C order of the batch shape); and where the queries are longer and the compiled
+    walk applies (:func:`_block_stacks`), each query block of the elements does. Each stack
+    is one compiled call or one batched product per step (:func:`attend_stacked`), at most
+    :func:`stack_limit`'s elements, in a multiple of the cores' count of stacks
     (:func:`.cpu_runtime.stacks_of`).
     """
-    limit = stack_limit(p) if p.nbatch >= 2 else None
-    if limit is None:
+    if p.nbatch < 2:
         return None
+    limit = stack_limit(p)
+    if limit is None:
+        return _block_stacks(p)
     j0, j1, most = limit
     runs = stacks_of(p.nbatch, most, workers())
     if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
     elements = list(np.ndindex(*p.batch_shape))
-    return [(elements[a:z], j0, j1) for a, z in runs]
+    return [(elements[a:z], 0, p.lq, j0, j1) for a, z in runs]
+
+
+def _block_stacks(p):
+    """:func:`stack_plan`'s stacks for queries past one block: each query block of the
+    elements in stacks, where the compiled walk applies (the plain score, keys and values
+    CBLAS reads in place, no ``kv_lengths``: every element's block sees the same keys). A
+    stack holds its outputs and at most a copy of its queries within ``SLICE_BYTES``, as
+    :func:`stack_limit`'s do. None where they may not, or where a stack would hold one
+    element (too few elements to share among the cores: :func:`plan` splits key ranges)."""
+    acc_t = p.acc_dtype
+    block_q = blocks(acc_t)[0]
+    if (p.lq <= block_q or p.kv_lengths is not None or not plain_score(p)
+            or tile_kernel(acc_t) is None):
+        return None
+    elements = list(np.ndindex(*p.batch_shape))
+    if _stack_walk(p, elements[0]) is None:
+        return None
+    most = SLICE_BYTES // max(block_q * (p.d + p.dv) * acc_t.itemsize, 1)
+    runs = stacks_of(p.nbatch, most, workers())
+    if min(z - a for a, z in runs) < 2:
+        return None
+    stacks = []
+    for i0 in range(0, p.lq, block_q):
+        i1 = min(i0 + block_q, p.lq)
+        j0, j1 = key_range(p, elements[0], i0, i1)
+        if j1 > j0:                       # else its rows see no key: 0 and -inf as they are
+            stacks += [(elements[a:z], i0, i1, j0, j1) for a, z in runs]
+    return stacks
 
 
 def stack_limit(p):
@@ -192,34 +229,37 @@ def stack_limit(p):
     return j0, j1, most
 
 
-def attend_stacked(p, elements, j0, j1):
-    """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, Lq, Dv)`` and
-    ``(G, Lq)``, of the batch ``elements`` (G of them) over keys ``[j0, j1)``:
+def attend_stacked(p, elements, j0, j1, i0=0, i1=None):
+    """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, n, Dv)`` and
+    ``(G, n)``, of the queries ``[i0, i1)`` (default: all, ``n`` of them) of the batch
+    ``elements`` (G of them) over keys ``[j0, j1)``:
     :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
-    it runs the elements in one call (:func:`_compiled_stack`: each element's scaled queries,
+    it runs the elements in one call (:func:`_compiled_walks`: each element's scaled queries,
     tiles, products, tile kernel and normalisation those of a task of its own, so the same
     bits, and no GIL held); else, keys in one tile, each product is one batched call (BLAS per
     element, the same products as :func:`_attend`'s Python loop), and keys past one tile,
     :func:`_attend` per element. An element whose output is not finite is redone by
     :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     acc_t = p.acc_dtype
-    g, n, w = len(elements), p.lq, j1 - j0
+    i1 = p.lq if i1 is None else i1
+    g, n, w = len(elements), i1 - i0, j1 - j0
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)
-    walked = _compiled_stack(p, elements, j0, j1, m, l)
+    walked = _compiled_walks(p, elements, i0, i1, j0, j1, m, l)
     if walked is not None:
         o, finite = walked
         lse = _lse(m, l, acc_t)
     elif w > key_tile(n, *blocks(acc_t)):
         # keys past one tile and no compiled walk: each element as a task of its own runs it
-        outs, lses = zip(*(_attend(p, b, 0, n, j0, j1) for b in elements))
+        outs, lses = zip(*(_attend(p, b, i0, i1, j0, j1) for b in elements))
         return np.stack(outs), np.stack(lses)
     else:
-        queries = np.stack([blas_ready(p.q[b], acc_t) for b in elements]) * acc_t.type(p.scale)
+        queries = np.stack([blas_ready(p.q[b][i0:i1], acc_t)
+                            for b in elements]) * acc_t.type(p.scale)
         keys = np.stack([blas_ready(p.k[b][j0:j1], acc_t) for b in elements])
         values = np.stack([blas_ready(p.v[b][j0:j1], acc_t) for b in elements])
         s = product(queries, keys.transpose(0, 2, 1))
-        lo, hi = _band(p, j0, w)
+        lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, j0, w)
         # one tile: no output to rescale yet, so the kernel gets a zero-width one
         tile_kernel(acc_t)(s.reshape(g * n, w), m.reshape(g * n), l.reshape(g * n),
                            np.empty((g * n, 0), dtype=acc_t), np.tile(lo, g), np.tile(hi, g))
@@ -228,22 +268,18 @@ def attend_stacked(p, elements, j0, j1):
             finite = np.isfinite(o).all(axis=(1, 2))
         o, lse = _normalised(m, l, o, acc_t)
     for i in np.flatnonzero(~finite):
-        o[i], lse[i] = _attend(p, elements[i], 0, n, j0, j1)
+        o[i], lse[i] = _attend(p, elements[i], i0, i1, j0, j1)
     return o, lse
 
 
-def _band(p, js, width):
-    """:func:`.numpy_scores.band_columns` of every query of a stack's elements (they share
-    one window band) for a tile of ``width`` keys from ``js``."""
-    return band_columns(query_diagonals(p, 0, p.lq), *p.window, js, width)
-
-
-def _compiled_stack(p, elements, j0, j1, m, l):
-    """``(o, finite)`` of a stack's elements after their walks over keys ``[j0, j1)`` in one
-    compiled call (:func:`._task_kernels.forward_stack`): the normalised outputs
-    ``(G, Lq, Dv)``, and whether each element's output was finite before (the others are for
-    the caller to redo); ``m`` and ``l`` updated in place. None (nothing done) where
-    :func:`_stack_walk` finds no compiled walk: the plain score of every stack.
+def _compiled_walks(p, elements, i0, i1, j0, j1, m, l):
+    """``(o, finite)`` of the queries ``[i0, i1)`` of each of the batch ``elements`` after
+    their walks over keys ``[j0, j1)``, in one compiled call
+    (:func:`._task_kernels.forward_stack`): the normalised outputs ``(G, i1 - i0, Dv)``, and
+    whether each element's output was finite before (the others are for the caller to redo);
+    ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
+    compiled walk: the plain score of a stack of whole elements (:func:`attend_stacked`) or of
+    one query block (:func:`_compiled_walk`).
 
     The kernel reads each element's queries in place where CBLAS could (rows of the
     accumulation dtype), else from one stacked copy in it, and scales them itself."""
@@ -251,17 +287,17 @@ def _compiled_stack(p, elements, j0, j1, m, l):
     found = _stack_walk(p, elements[0])
     if found is None:
         return None
-    (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), p.lq, p.d
-    first = p.q[elements[0]]       # every element a view with the same strides
+    (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), i1 - i0, p.d
+    first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
     if p.q.flags.aligned and blas.reads_rows(first, acc_t):
-        qs, ldq = batch_addresses(p.q, elements), first.strides[0] // size
+        qs, ldq = batch_addresses(p.q, elements) + i0 * first.strides[0], first.strides[0] // size
     else:
-        copy = np.stack([p.q[b] for b in elements], dtype=acc_t)
+        copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
         qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
     o = np.zeros((g, n, p.dv), dtype=acc_t)
     finite = np.empty(g, dtype=np.bool_)
     width = key_tile(n, *blocks(acc_t))
-    lo, hi = _band(p, 0, j1)     # key indices, not tile columns
+    lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
     scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
     stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
           batch_addresses(p.k, elements), p.k.strides[-2] // size,
@@ -316,12 +352,39 @@ def _attend(p, b, i0, i1, j_lo, j_hi):
     # output (a sum, rescaled by factors <= 1, never cancels it), so one check of the (n, Dv)
     # result stands for a check of every tile's product. Only then is the task redone with the
     # per-tile path where a non-finite value reaches only the rows that see it.
-    m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=False)
-    with np.errstate(invalid="ignore"):
-        finite = np.isfinite(o).all()
-    if not finite:
-        m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=True)
+    walked = _compiled_walk(p, b, i0, i1, j_lo, j_hi)
+    if walked is not None:
+        o, lse, finite = walked
+        if finite:
+            return o, lse
+    else:
+        m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=False)
+        with np.errstate(invalid="ignore"):
+            finite = np.isfinite(o).all()
+        if finite:
+            return _normalised(m, l, o, acc_t)
+    m, l, o = _online(p, b, i0, i1, j_lo, j_hi, careful=True)
     return _normalised(m, l, o, acc_t)
+
+
+def _compiled_walk(p, b, i0, i1, j_lo, j_hi):
+    """``(out, lse, finite)`` of queries ``[i0, i1)`` of batch element ``b`` over keys
+    ``[j_lo, j_hi)`` as one compiled call (:func:`_compiled_walks` of the one element): the
+    scaling, the walk and the normalisation with no Python between them; ``finite`` False
+    when the output was not (the caller redoes the block by the careful path). None (nothing
+    done) where the compiled walk does not apply."""
+    acc_t = p.acc_dtype
+    if (not plain_score(p) or tile_kernel(acc_t) is None
+            or copy_is_large(p.q[b][i0:i1], acc_t)):
+        return None
+    n = i1 - i0
+    m = np.full((1, n), -np.inf, dtype=acc_t)
+    l = np.zeros((1, n), dtype=acc_t)
+    walked = _compiled_walks(p, [b], i0, i1, j_lo, j_hi, m, l)
+    if walked is None:
+        return None
+    o, finite = walked
+    return o[0], _lse(m[0], l[0], acc_t), bool(finite[0])
 
 
 def _normalised(m, l, o, acc_t):
@@ -346,8 +409,10 @@ def _lse(m, l, acc_t):
 
 
 def _online(p, b, i0, i1, j_lo, j_hi, careful):
-    """The online-softmax state ``(m, l, o)`` after keys ``[j_lo, j_hi)``; ``careful``: each
-    tile's P·V through :func:`visible_product` (else a plain product)."""
+    """The online-softmax state ``(m, l, o)`` after keys ``[j_lo, j_hi)``, by the Python loop
+    over the tiles (every score term; the compiled walk, :func:`_compiled_walk`, takes the
+    plain score); ``careful``: each tile's P·V through :func:`visible_product` (else a plain
+    product)."""
     acc_t = p.acc_dtype
     n = i1 - i0
     # Scores and the running max stay in natural units: any finite score is representable,
@@ -360,9 +425,6 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
     o = np.zeros((n, p.dv), dtype=acc_t)
     kernel = tile_kernel(acc_t)
     width = key_tile(n, *blocks(acc_t))
-    if kernel is not None and not careful and _compiled_walk(p, b, pipeline, j_lo, j_hi,
-                                                               width, m, l, o):
-        return m, l, o
     for js in range(j_lo, j_hi, width):
         je = min(js + width, j_hi)
         # a tile the window band crosses (the diagonal tile of causal attention): both
@@ -385,27 +447,6 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
             for r0, r1, c0, c1 in spans:
                 product(s[r0:r1, c0:c1], vt[c0:c1], o[r0:r1], add=True)
     return m, l, o
-
-
-def _compiled_walk(p, b, pipeline, j_lo, j_hi, width, m, l, o):
-    """:func:`_online`'s loop (not careful) as one compiled call
-    (:func:`._task_kernels.forward_task`) where it applies: the plain score with its scaled
-    queries at hand, key and value rows that CBLAS reads as they are, and a BLAS library
-    loaded for CBLAS. The same products and tile kernel, so the same bits; True when it ran
-    (``m``, ``l``, ``o`` updated in place)."""
-    acc_t = p.acc_dtype
-    q, k, v = pipeline.queries, p.k[b], p.v[b]
-    found = (None if q is None or not plain_score(p)
-             else compiled_task(acc_t, "forward_task", (q, k, v)))
-    if found is None:
-        return False
-    (blas, task), size = found, acc_t.itemsize
-    lo, hi = pipeline.window_columns(0, j_hi)     # key indices, not tile columns
-    scores = np.empty(q.shape[0] * min(width, j_hi - j_lo), dtype=acc_t)  # the widest tile's
-    task(q.ctypes.data, q.strides[0] // size, k.ctypes.data, k.strides[0] // size,
-         v.ctypes.data, v.strides[0] // size, q.shape[1], m, l, o, scores, j_lo, j_hi, width,
-         lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
-    return True
 
 
 def _softmax_tile_ufuncs(s, m, l, o):

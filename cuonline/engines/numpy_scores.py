@@ -29,8 +29,9 @@ import numpy as np
 
 from .cpu_blas import product
 
-__all__ = ["ScorePipeline", "band_columns", "query_diagonals", "blas_ready", "visible_product", "spanned_product", "soft_cap",
-           "skewed", "REL_ROWS", "SLICE_BYTES"]
+__all__ = ["ScorePipeline", "band_columns", "query_diagonals", "blas_ready", "copy_is_large",
+           "visible_product", "spanned_product", "soft_cap", "skewed", "REL_ROWS",
+           "SLICE_BYTES"]
 
 # Query rows per product of the relative logits (see ScorePipeline.add_relative_logits).
 REL_ROWS = 64
@@ -60,7 +61,7 @@ class ScorePipeline:
         self.scale = acc.type(p.scale)
         self._keys = p.k[b]
         self._query_view = p.q[b][i0:i1]
-        if queries is None and not _copy_is_large(self._query_view, acc):
+        if queries is None and not copy_is_large(self._query_view, acc):
             queries = blas_ready(self._query_view, acc) * self.scale
         self.queries = queries                 # None: products in slices of D
         self.first_diag = i0 + p.diagonal_offset             # key facing query i0
@@ -152,7 +153,7 @@ class ScorePipeline:
         if keys is not None:
             return spanned_product(self.queries, keys, spans)
         k = self._keys[js:je]
-        if self.queries is None or _copy_is_large(k, self.acc):
+        if self.queries is None or copy_is_large(k, self.acc):
             return _sliced_product(self._query_view, k, self.acc, self.scale)
         return spanned_product(self.queries, blas_ready(k, self.acc), spans)
 
@@ -314,7 +315,7 @@ def blas_ready(x, dtype):
     return np.ascontiguousarray(x)
 
 
-def _copy_is_large(x, dtype):
+def copy_is_large(x, dtype):
     """True when :func:`blas_ready` would copy the broadcast view ``x`` into more than
     SLICE_BYTES: memory of the size of what ``x`` only pretends to hold."""
     broadcast = any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape))
