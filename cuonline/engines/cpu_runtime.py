@@ -342,18 +342,27 @@ def _floor_pow2(x):
     return 1 << (max(int(x), 1).bit_length() - 1)
 
 
+# The most of a core's L2 the live score tiles take (score_tile).
+TILE_L2_BYTES = 1 << 20
+
+
 def score_tile(l2_bytes, itemsize, live_tiles=1):
     """``(rows, keys)`` of the score tile for a core with ``l2_bytes`` of L2 cache, when
     ``live_tiles`` tiles of ``itemsize``-byte scores are alive at once (the forward keeps one
     score tile, the backward P and dS).
 
-    The live tiles fill the L2: the matrix products and the softmax sweeps then stream over a
-    tile that stays there. Within that budget the rows come first, up to 512 while the tile
-    keeps at least 256 keys: each block of rows reads the keys and values once, and taller
-    blocks give BLAS taller products (512 x 512 float32 ran 5-11% faster than 256 x 512 on a
-    1 MiB-L2 core, see docs/performance.md). Keys are a power of two in [128, 1024].
+    The live tiles fill the L2, up to :data:`TILE_L2_BYTES` of it: the matrix products and
+    the softmax sweeps then stream over a tile that stays there. Within that budget the rows
+    come first, up to 512 while the tile keeps at least 256 keys: each block of rows reads the
+    keys and values once, and taller blocks give BLAS taller products (512 x 512 float32 ran
+    5-11% faster than 256 x 512 on a 1 MiB-L2 core). Past 1 MiB a larger tile gains nothing:
+    on a 2 MiB-L2 Intel core 1 MiB forward tiles ran 2-5% faster than tiles filling the L2,
+    in float32 and float64 (docs/performance.md, machine C); the tile's products then pack
+    and stream a score tile that leaves the keys, values and outputs no room. Keys are a
+    power of two in [128, 1024].
     """
-    budget = max(int(l2_bytes) // (int(itemsize) * max(int(live_tiles), 1)), 1)
+    l2_bytes = min(int(l2_bytes), TILE_L2_BYTES)
+    budget = max(l2_bytes // (int(itemsize) * max(int(live_tiles), 1)), 1)
     rows = 512
     while rows > 64 and rows * 256 > budget:
         rows //= 2
