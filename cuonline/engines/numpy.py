@@ -86,8 +86,12 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
             elements, i0, i1, j0, j1 = task
             first = int(np.ravel_multi_index(elements[0], p.batch_shape))
             rows = slice(first, first + len(elements))
-            flat_out[rows, i0:i1], flat_lse[rows, i0:i1] = attend_stacked(p, elements, j0, j1,
-                                                                          i0, i1)
+            # whole elements in the accumulation dtype: the walk writes into the result
+            target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
+                      else None)
+            o, flat_lse[rows, i0:i1] = attend_stacked(p, elements, j0, j1, i0, i1, target)
+            if o is not target:
+                flat_out[rows, i0:i1] = o
 
         # the longest first: under a causal band, the lower blocks see more keys
         run_tasks(stacks, run_stack, n_workers,
@@ -229,10 +233,11 @@ def stack_limit(p):
     return j0, j1, most
 
 
-def attend_stacked(p, elements, j0, j1, i0=0, i1=None):
+def attend_stacked(p, elements, j0, j1, i0=0, i1=None, out=None):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, n, Dv)`` and
     ``(G, n)``, of the queries ``[i0, i1)`` (default: all, ``n`` of them) of the batch
-    ``elements`` (G of them) over keys ``[j0, j1)``:
+    ``elements`` (G of them) over keys ``[j0, j1)``; ``out``: zeros of that shape and dtype,
+    C-ordered, for the compiled walk to write the outputs into (then returned as they are):
     :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
     it runs the elements in one call (:func:`_compiled_walks`: each element's scaled queries,
     tiles, products, tile kernel and normalisation those of a task of its own, so the same
@@ -245,7 +250,7 @@ def attend_stacked(p, elements, j0, j1, i0=0, i1=None):
     g, n, w = len(elements), i1 - i0, j1 - j0
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)
-    walked = _compiled_walks(p, elements, i0, i1, j0, j1, m, l)
+    walked = _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out)
     if walked is not None:
         o, finite = walked
         lse = _lse(m, l, acc_t)
@@ -272,10 +277,11 @@ def attend_stacked(p, elements, j0, j1, i0=0, i1=None):
     return o, lse
 
 
-def _compiled_walks(p, elements, i0, i1, j0, j1, m, l):
+def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     """``(o, finite)`` of the queries ``[i0, i1)`` of each of the batch ``elements`` after
     their walks over keys ``[j0, j1)``, in one compiled call
-    (:func:`._task_kernels.forward_stack`): the normalised outputs ``(G, i1 - i0, Dv)``, and
+    (:func:`._task_kernels.forward_stack`): the normalised outputs ``(G, i1 - i0, Dv)`` (in
+    ``out`` where given: zeros, C-ordered, of the accumulation dtype), and
     whether each element's output was finite before (the others are for the caller to redo);
     ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
     compiled walk: the plain score of a stack of whole elements (:func:`attend_stacked`) or of
@@ -294,7 +300,7 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l):
     else:
         copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
         qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
-    o = np.zeros((g, n, p.dv), dtype=acc_t)
+    o = np.zeros((g, n, p.dv), dtype=acc_t) if out is None else out
     finite = np.empty(g, dtype=np.bool_)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
