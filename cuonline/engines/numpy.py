@@ -158,12 +158,12 @@ def stack_plan(p):
     A task of one element and query block spends time in Python around its compiled walk:
     measured at L = 256, keys in one tile, about 100 us of each 280 us task; and after the
     walk's tiles have filled the caches, the Python after it runs from cold caches (about
-    150 us of each 1.3 ms task of a 512 x 1024 tile on machine C). So where every query of an element
-    fits one block (:func:`stack_limit`), the batch runs as stacks of consecutive elements
-    (in the C order of the batch shape); and where the queries are longer and the compiled
-    walk applies (:func:`_block_stacks`), each query block of the elements does. Each stack
-    is one compiled call or one batched product per step (:func:`attend_stacked`), at most
-    :func:`stack_limit`'s elements, in a multiple of the cores' count of stacks
+    150 us of each 1.3 ms task of a 512 x 1024 tile on machine C). So where every query of
+    an element fits one block (:func:`stack_limit`), the batch runs as stacks of consecutive
+    elements (in the C order of the batch shape); and where the queries are longer and the
+    compiled walk applies (:func:`_block_stacks`), each query block of the elements does.
+    Each stack is one compiled call or one batched product per step (:func:`attend_stacked`),
+    at most :func:`stack_limit`'s elements, in a multiple of the cores' count of stacks
     (:func:`.cpu_runtime.stacks_of`).
     """
     if p.nbatch < 2:
