@@ -117,6 +117,23 @@ def test_concurrent_calls_leave_the_blas_thread_count_as_it_was(rng, workers):
     assert not errors, errors
 
 
+def test_a_call_from_a_living_thread_leaves_openblas_to_the_user(rng):
+    # threadpoolctl lets one thread at a time set OpenBLAS's thread count; a call run on a
+    # thread that stays alive (a pool's) must not keep that hold, or the user's own limits
+    # would do nothing afterwards
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, k, v = data(rng, POOL_SHAPE[:1], POOL_SHAPE[1], POOL_SHAPE[1], POOL_SHAPE[2])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(cuonline.attention, q, k, v, workers=2).result()
+        counts = blas_threads()
+        if not counts or max(counts) < 2:
+            pytest.skip(f"BLAS runs on {counts} threads here: a limit to 1 would not show")
+        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+            assert blas_threads() == [1] * len(counts)
+        assert blas_threads() == counts
+
+
 def test_a_failing_task_raises_in_the_caller_and_restores_blas(rng, monkeypatch):
     before = blas_threads()
     real = numpy_engine._attend
