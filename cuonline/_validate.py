@@ -315,11 +315,11 @@ def _check_workers(value):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`workers` must be an int or None, got {type(value).__name__} {value!r}")
     value = int(value)
-    cpus = os.cpu_count() or 1
     if value == 0:
         raise ValueError("`workers` must be a positive int, a negative int >= -os.cpu_count() "
                          "or None, got 0")
     if value < 0:
+        cpus = os.cpu_count() or 1                 # read only here: 20 us on some machines
         if value < -cpus:
             raise ValueError(f"`workers` counts back from os.cpu_count() = {cpus} when "
                              f"negative, so it must be >= {-cpus}, got {value}")
