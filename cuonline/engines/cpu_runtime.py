@@ -220,11 +220,12 @@ def _restore_blas(limiter):
 
 def _release_openblas():
     """Let go of threadpoolctl's hold on OpenBLAS's thread count where this thread has it
-    (threadpoolctl 3.8+; a thread that does not hold it changes nothing)."""
+    (threadpoolctl 3.8+; a thread that does not hold it changes nothing; earlier versions
+    hold nothing). Called after _limit_blas has imported threadpoolctl."""
     import threadpoolctl
 
-    release = getattr(getattr(threadpoolctl, "OpenBLASController", None),
-                      "clear_controlling_thread", None)
+    controller = getattr(threadpoolctl, "OpenBLASController", None)
+    release = getattr(controller, "clear_controlling_thread", None)
     if release is not None:
         release()
 

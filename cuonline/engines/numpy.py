@@ -89,7 +89,7 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
             # whole elements in the accumulation dtype: the walk writes into the result
             target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
                       else None)
-            o, flat_lse[rows, i0:i1] = attend_stacked(p, elements, j0, j1, i0, i1, target)
+            o, flat_lse[rows, i0:i1] = attend_stacked(p, elements, i0, i1, j0, j1, target)
             if o is not target:
                 flat_out[rows, i0:i1] = o
 
@@ -161,7 +161,7 @@ def stack_plan(p):
     150 us of each 1.3 ms task of a 512 x 1024 tile on machine C). So where every query of
     an element fits one block (:func:`stack_limit`), the batch runs as stacks of consecutive
     elements (in the C order of the batch shape); and where the queries are longer and the
-    compiled walk applies (:func:`_block_stacks`), each query block of the elements does.
+    compiled walk applies (:func:`_block_spans`), each query block of the elements does.
     Each stack is one compiled call or one batched product per step (:func:`attend_stacked`),
     at most :func:`stack_limit`'s elements, in a multiple of the cores' count of stacks
     (:func:`.cpu_runtime.stacks_of`).
@@ -169,42 +169,37 @@ def stack_plan(p):
     if p.nbatch < 2:
         return None
     limit = stack_limit(p)
-    if limit is None:
-        return _block_stacks(p)
-    j0, j1, most = limit
+    found = ((limit[2], [(0, p.lq, limit[0], limit[1])]) if limit is not None
+             else _block_spans(p))
+    if found is None:
+        return None
+    most, spans = found
     runs = stacks_of(p.nbatch, most, workers())
     if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
     elements = list(np.ndindex(*p.batch_shape))
-    return [(elements[a:z], 0, p.lq, j0, j1) for a, z in runs]
+    return [(elements[a:z], i0, i1, j0, j1) for i0, i1, j0, j1 in spans for a, z in runs]
 
 
-def _block_stacks(p):
-    """:func:`stack_plan`'s stacks for queries past one block: each query block of the
-    elements in stacks, where the compiled walk applies (the plain score, keys and values
-    CBLAS reads in place, no ``kv_lengths``: every element's block sees the same keys). A
-    stack holds its outputs and at most a copy of its queries within ``SLICE_BYTES``, as
-    :func:`stack_limit`'s do. None where they may not, or where a stack would hold one
-    element (too few elements to share among the cores: :func:`plan` splits key ranges)."""
+def _block_spans(p):
+    """``(most, [(i0, i1, j0, j1), ...])`` for :func:`stack_plan` where the queries pass one
+    block: the most elements a stack may hold (its outputs and at most a copy of its queries
+    within ``SLICE_BYTES``, as :func:`stack_limit` counts them), and each query block with the
+    keys its rows see (a block whose rows see no key is left out: 0 and -inf as allocated).
+    None where the compiled walk does not apply (the plain score, keys and values CBLAS reads
+    in place) or where ``kv_lengths`` gives the elements different key ranges."""
     acc_t = p.acc_dtype
     block_q = blocks(acc_t)[0]
     if (p.lq <= block_q or p.kv_lengths is not None or not plain_score(p)
             or tile_kernel(acc_t) is None):
         return None
-    elements = list(np.ndindex(*p.batch_shape))
-    if _stack_walk(p, elements[0]) is None:
+    first = (0,) * len(p.batch_shape)
+    if _stack_walk(p, first) is None:
         return None
     most = SLICE_BYTES // max(block_q * (p.d + p.dv) * acc_t.itemsize, 1)
-    runs = stacks_of(p.nbatch, most, workers())
-    if min(z - a for a, z in runs) < 2:
-        return None
-    stacks = []
-    for i0 in range(0, p.lq, block_q):
-        i1 = min(i0 + block_q, p.lq)
-        j0, j1 = key_range(p, elements[0], i0, i1)
-        if j1 > j0:                       # else its rows see no key: 0 and -inf as they are
-            stacks += [(elements[a:z], i0, i1, j0, j1) for a, z in runs]
-    return stacks
+    spans = [(i0, min(i0 + block_q, p.lq)) for i0 in range(0, p.lq, block_q)]
+    spans = [(i0, i1, *key_range(p, first, i0, i1)) for i0, i1 in spans]
+    return most, [(i0, i1, j0, j1) for i0, i1, j0, j1 in spans if j1 > j0]
 
 
 def stack_limit(p):
@@ -233,10 +228,10 @@ def stack_limit(p):
     return j0, j1, most
 
 
-def attend_stacked(p, elements, j0, j1, i0=0, i1=None, out=None):
+def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, n, Dv)`` and
-    ``(G, n)``, of the queries ``[i0, i1)`` (default: all, ``n`` of them) of the batch
-    ``elements`` (G of them) over keys ``[j0, j1)``; ``out``: zeros of that shape and dtype,
+    ``(G, n)``, of the queries ``[i0, i1)`` (``n`` of them) of the batch ``elements`` (G of
+    them) over keys ``[j0, j1)``; ``out``: zeros of that shape and dtype,
     C-ordered, for the compiled walk to write the outputs into (then returned as they are):
     :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
     it runs the elements in one call (:func:`_compiled_walks`: each element's scaled queries,
@@ -246,7 +241,6 @@ def attend_stacked(p, elements, j0, j1, i0=0, i1=None, out=None):
     :func:`_attend` per element. An element whose output is not finite is redone by
     :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     acc_t = p.acc_dtype
-    i1 = p.lq if i1 is None else i1
     g, n, w = len(elements), i1 - i0, j1 - j0
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)

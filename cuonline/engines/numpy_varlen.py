@@ -228,7 +228,7 @@ def attention(p: Problem) -> tuple[Any, Any]:
             rows = slice(int(p.cu_seqlens_q[b]) + i0, int(p.cu_seqlens_q[b]) + i1)
             if isinstance(e, slice):                      # a stack of elements
                 flat_out[e, rows], flat_lse[e, rows] = numpy_forward.attend_stacked(
-                    subs[b], elements[e], j0, j1)
+                    subs[b], elements[e], i0, i1, j0, j1)
             else:
                 out[e][rows], lse[e][rows] = numpy_forward.attend(subs[b], e, i0, i1, j0, j1)
 
