@@ -88,6 +88,39 @@ def test_exp_special_values(dtype):
     assert (got[4:] == 0).all()
 
 
+def weight_array(x):
+    out = np.empty_like(x)
+    tk.weight_array(x, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_exp_is_the_exp_down_to_its_floor_and_0_below(dtype):
+    """The attention kernels' exponential: the same bits as the exact one from its floor up,
+    every nonzero result a normal number (no subnormal step, which costs a microcode assist on
+    x86 cores), and 0 below the floor, -inf included; NaN stays NaN."""
+    floor = dtype(tk.WEIGHT_FLOOR[np.dtype(dtype)])
+    above = np.concatenate([np.linspace(floor, 0, 200_001, dtype=dtype),
+                            np.nextafter(floor, dtype(0), dtype=dtype)[None]])
+    got = weight_array(above)
+    np.testing.assert_array_equal(got, exp_of(above))
+    assert got.min() >= np.finfo(dtype).tiny
+    below = np.array([np.nextafter(floor, dtype(-np.inf), dtype=dtype), floor - 1,
+                      floor - 17, -np.finfo(dtype).max, -np.inf], dtype)
+    got = weight_array(below)
+    assert (got == 0).all() and not np.signbit(got).any()
+    assert np.isnan(weight_array(np.array([np.nan], dtype))).all()
+    # the floor sits just above the smallest normal result: little is given up
+    assert np.exp(np.float64(floor)) < 1.2 * np.finfo(dtype).tiny
+
+
+def weight_atol(dtype):
+    """How far a tile kernel's weight may be from ``np.exp``'s: the kernels give 0 below
+    ``exp(WEIGHT_FLOOR)``, where ``np.exp`` rounds a subnormal result (or one just above the
+    smallest normal number)."""
+    return float(np.exp(np.float64(tk.WEIGHT_FLOOR[np.dtype(dtype)])))
+
+
 def ufunc_tile(s, m, l, o):
     s, m, l, o = s.copy(), m.copy(), l.copy(), o.copy()
     with np.errstate(invalid="ignore"):
@@ -133,7 +166,7 @@ def test_tile_matches_ufunc_passes(dtype, rng):
     want = ufunc_tile(*case)
     got = kernel_tile(*case)
     rtol = 8 * np.finfo(dtype).eps
-    atol = np.finfo(dtype).smallest_subnormal      # a subnormal exp may round the other way
+    atol = weight_atol(dtype)
     for name, g, w in zip("smlo", got, want):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=name)
@@ -161,7 +194,7 @@ def test_tile_band_is_masking(dtype, rng):
     for name, g, w in zip("smlo", got, want):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
         np.testing.assert_allclose(g, w, rtol=8 * np.finfo(dtype).eps,
-                                   atol=np.finfo(dtype).smallest_subnormal, err_msg=name)
+                                   atol=weight_atol(dtype), err_msg=name)
     assert np.isfinite(got[3][10]).all()
 
 

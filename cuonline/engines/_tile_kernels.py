@@ -16,7 +16,12 @@ ulp), and a single product of the polynomial, scaled by ``2^-64``, and ``2^(n + 
 number down to the smallest subnormal result), so that results in the subnormal range round
 once, as ``np.exp``'s do. About 15 vector operations per vector of results. It is only ever called
 on ``x <= 0`` (a score minus its row max), ``-inf`` or NaN: ``exp(-inf)`` is exactly 0 and NaN
-stays NaN.
+stays NaN. The attention tile kernels take it as a weight (``exp_weight``): 0 below
+``WEIGHT_FLOOR`` (-87.3 in float32, -708.3 in float64), where the result would be subnormal or
+close to it. A subnormal result costs a microcode assist on x86 cores (about 2.4 ns per float32
+result on machine C, against 0.27 ns), and a weight that small changes no sum in its dtype
+(each row's largest weight is 1). The softmax rows keep the subnormal results, as ``np.exp``
+does.
 
 Fast-math flags: ``reassoc`` lets the row sum vectorize (the order of a sum is not part of the
 contract; NumPy's pairwise sum has its own) and ``contract`` allows FMAs, but neither ``nnan``
@@ -138,8 +143,16 @@ def exp_nonpositive(x):
     raise NotImplementedError("exp_nonpositive runs inside numba-compiled code")
 
 
-def _exp_impl(ft, low, ln2_hi, ln2_lo, coefficients, bias, mantissa):
-    low, log2e = ft(low), ft(1.4426950408889634)
+def exp_weight(x):
+    """:func:`exp_nonpositive` as an attention weight: 0 where ``exp(x)`` is below
+    ``exp(WEIGHT_FLOOR)``, just above the dtype's smallest normal number (compiled code only)."""
+    raise NotImplementedError("exp_weight runs inside numba-compiled code")
+
+
+def _exp_impl(ft, low, floor, ln2_hi, ln2_lo, coefficients, bias, mantissa):
+    """``(exp_nonpositive, exp_weight)`` for the float type ``ft``: the exponential of ``x >=
+    low`` (below, 0), and that of ``x >= floor`` (below, 0, with no subnormal step)."""
+    low, floor, log2e, zero = ft(low), ft(floor), ft(1.4426950408889634), ft(0)
     neg_hi, neg_lo = ft(-ln2_hi), ft(-ln2_lo)
     # e^r comes out scaled by 2^-64 (each coefficient is scaled: exact, and no step of the
     # evaluation is subnormal), so that 2^(n + 64) is normal for every n down to the smallest
@@ -150,9 +163,8 @@ def _exp_impl(ft, low, ln2_hi, ln2_lo, coefficients, bias, mantissa):
     # of 2^(n + 64), once shifted up
     magic = ft(1.5 * 2.0 ** mantissa + bias + 64)
 
-    def impl(x):
-        # below `low` the result rounds to 0 (and -inf lands here); NaN fails the test and stays
-        x = low if x < low else x
+    @numba.njit(fastmath=_FLAGS)
+    def core(x):
         z = _fma(x, log2e, magic)
         # n, exactly; reassociation has no rule that rewrites this (tested), and an arithmetic
         # fence on z kept LLVM from vectorizing the loop
@@ -163,7 +175,19 @@ def _exp_impl(ft, low, ln2_hi, ln2_lo, coefficients, bias, mantissa):
         # A NaN x gives a NaN r and so a NaN polynomial, whatever the bits of z hold
         return _horner(r, c) * _shift_into_exponent(z)
 
-    return impl
+    def exact(x):
+        # below `low` the result rounds to 0 (and -inf lands here); NaN fails the test and stays
+        return core(low if x < low else x)
+
+    def weight(x):
+        # a subnormal (or underflowing) product costs a microcode assist on x86 cores, about
+        # 100 cycles for each vector that holds one: below the floor the core runs on the floor
+        # and the result is replaced by 0 (-inf too; NaN fails the test and stays)
+        small = x < floor
+        y = core(floor if small else x)
+        return zero if small else y
+
+    return exact, weight
 
 
 @numba.njit(fastmath=_FLAGS)
@@ -185,20 +209,25 @@ _POLY64 = (2.5000061372803405e-08, 2.7630244948447145e-07, 2.755758635658188e-06
            8.333333333494435e-03, 4.166666666653018e-02, 1.6666666666666413e-01,
            5.000000000000011e-01, 1.0, 1.0)
 # float32: exp(-104) rounds to 0 (the smallest subnormal is exp(-103.28)); ln2_hi has 9
-# significant bits so n * ln2_hi is exact for |n| <= 150
-_EXP32 = _exp_impl(np.float32, -104.0, 0.693359375, -2.12194440e-4, _POLY32, 127, 23)
-# float64: exp(-746) rounds to 0; fdlibm's split of ln2 (ln2_hi's low 32 bits are zero)
-_EXP64 = _exp_impl(np.float64, -746.0, 6.93147180369123816490e-01, 1.90821492927058770002e-10,
-                   _POLY64, 1023, 52)
+# significant bits so n * ln2_hi is exact for |n| <= 150. The weight's floor: exp(-87.3) is
+# 1.037 2^-126, a normal number however the last step rounds
+_EXP32 = _exp_impl(np.float32, -104.0, -87.3, 0.693359375, -2.12194440e-4, _POLY32, 127, 23)
+# float64: exp(-746) rounds to 0, and exp(-708.3) is 1.10 2^-1022; fdlibm's split of ln2
+# (ln2_hi's low 32 bits are zero)
+_EXP64 = _exp_impl(np.float64, -746.0, -708.3, 6.93147180369123816490e-01,
+                   1.90821492927058770002e-10, _POLY64, 1023, 52)
+# the arguments below which exp_weight gives 0, by dtype
+WEIGHT_FLOOR = {np.dtype(np.float32): -87.3, np.dtype(np.float64): -708.3}
 
 
 @overload(exp_nonpositive, jit_options={"fastmath": _FLAGS})
 def _exp_overload(x):
-    if x == types.float32:
-        return _EXP32
-    if x == types.float64:
-        return _EXP64
-    return None
+    return {types.float32: _EXP32[0], types.float64: _EXP64[0]}.get(x)
+
+
+@overload(exp_weight, jit_options={"fastmath": _FLAGS})
+def _exp_weight_overload(x):
+    return {types.float32: _EXP32[1], types.float64: _EXP64[1]}.get(x)
 
 
 def compiled(fn):
@@ -217,9 +246,18 @@ def _exp_array(x, out):
         out[i] = exp_nonpositive(x[i])
 
 
+def _weight_array(x, out):
+    full_vector_width()
+    for i in range(x.shape[0]):
+        out[i] = exp_weight(x[i])
+
+
 exp_array = compiled(_exp_array)
 exp_array.__doc__ = """``out[:] = exp(x)`` for a 1-d array ``x`` of values ``<= 0``, ``-inf`` or
-NaN (the exponential of :func:`online_softmax_tile`, exposed for its tests)."""
+NaN (the exponential of the softmax rows, exposed for its tests)."""
+weight_array = compiled(_weight_array)
+weight_array.__doc__ = """``out[:] = exp_weight(x)`` (the exponential of the attention tile
+kernels, exposed for their tests)."""
 
 
 @numba.njit
@@ -290,7 +328,7 @@ def _online_softmax_tile(s, m, l, o, lo, hi):
         row = s[i, a:b]
         total = zero
         for j in range(row.shape[0]):
-            y = exp_nonpositive(row[j] - shift)
+            y = exp_weight(row[j] - shift)
             row[j] = y
             total += y
         # the rescale factor exp(m - shift): exactly 0 for a row that saw nothing before and 1
@@ -302,7 +340,7 @@ def _online_softmax_tile(s, m, l, o, lo, hi):
         elif m[i] == top[i]:
             alpha = s.dtype.type(1)
         else:
-            alpha = exp_nonpositive(m[i] - shift)
+            alpha = exp_weight(m[i] - shift)
         l[i] = l[i] * alpha + total
         if alpha != 1:
             orow = o[i]
@@ -332,7 +370,8 @@ lo, hi : (n,) int64 arrays
 Notes
 -----
 ``m_new = maximum(m, max_j s)`` propagates NaN as ``np.maximum`` does. Equal to the NumPy
-engine's ufunc passes up to the rounding of the exponential (about 1 ulp) and of the row sum.
+engine's ufunc passes up to the rounding of the exponential (about 1 ulp) and of the row sum,
+and for weights below ``exp(WEIGHT_FLOOR)``, which are 0 here (:func:`exp_weight`).
 """
 
 
@@ -351,7 +390,7 @@ def _backward_tile(s, lse, ds, delta, row_sums):
         shift, d = lse[i], delta[i]
         total = zero
         for j in range(k):
-            y = exp_nonpositive(row[j] - shift)
+            y = exp_weight(row[j] - shift)
             row[j] = y
             total += y
             g = y * (grad[j] - d)
@@ -385,7 +424,8 @@ int
 
 Notes
 -----
-``exp`` within 1 ulp (the forward kernel's); the sums in the vectorised order.
+``exp`` within 1 ulp, and 0 below ``exp(WEIGHT_FLOOR)`` (the forward kernel's
+:func:`exp_weight`); the sums in the vectorised order.
 """
 
 
