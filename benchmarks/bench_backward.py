@@ -30,8 +30,9 @@ import time
 import tracemalloc
 
 import numpy as np
-from bench_cpu import (best_seconds, blas_ceiling, case_arguments, check_ceilings,
-                       min_seconds_argument, print_machine, use_min_seconds, use_one_core)
+from bench_cpu import (best_seconds, blas_ceiling, case_arguments, case_inputs, case_title,
+                       check_ceilings, min_seconds_argument, print_machine, use_min_seconds,
+                       use_one_core)
 
 import cuonline
 
@@ -78,7 +79,7 @@ def main(argv=None):
 
     prepare = torch_backward()
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print_machine(f"backward, B=1 H={args.heads}" + (", one core, CPU time" if args.one_core
+    print_machine("backward, " + case_title(args) + (", one core, CPU time" if args.one_core
                                                       else ""), ceilings, prepare is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | cuonline | torch | torch backward"
               f"{' ' * 32} | cuonline/torch | cuonline/BLAS | torch/BLAS |")
@@ -88,8 +89,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     ratios = []
     for n, d, dt in itertools.product(args.lengths, args.dims, args.dtypes):
-        q, k, v, dout = (rng.standard_normal((1, args.heads, n, d)).astype(dt)
-                         for _ in range(4))
+        q, k, v, dout = case_inputs(rng, args, n, d, dt, 4)
         out, lse = cuonline.attention(q, k, v, return_lse=True)
         gflop = 10 * args.heads * n * n * d / 1e9
         ours = gflop / best_seconds(

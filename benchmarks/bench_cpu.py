@@ -212,11 +212,30 @@ def blas_ceiling(dtype, repeat, n=2048):
 def case_arguments(parser):
     """The case grid the CPU benchmarks share: ``--lengths``, ``--dims``, ``--dtypes`` and
     ``--heads`` (inputs of shape (1, heads, N, D)), with the defaults of the tables in
-    docs/performance.md."""
+    docs/performance.md, and ``--spread`` (:func:`case_inputs`)."""
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--spread", type=float, default=1.0,
+                        help="standard deviation of q and k (default 1): at 6 and N 1024, "
+                             "most of a row's weights are below the smallest normal float32, "
+                             "as in a model whose attention is sharp")
+
+
+def case_inputs(rng, args, n, d, dtype, count):
+    """``count`` arrays of shape (1, heads, n, d) drawn from the standard normal distribution,
+    the first two (q and k) times ``--spread``."""
+    arrays = [rng.standard_normal((1, args.heads, n, d)).astype(dtype) for _ in range(count)]
+    for x in arrays[:2]:
+        x *= np.dtype(dtype).type(args.spread)
+    return arrays
+
+
+def case_title(args):
+    """The grid's line of a report's title: ``B=1 H=8``, and the spread where it is not 1."""
+    return f"B=1 H={args.heads}" + (f", q and k of spread {args.spread:g}"
+                                    if args.spread != 1 else "")
 
 
 # The ceiling measured again after the cases may differ from the first by this fraction
@@ -283,7 +302,7 @@ def main(argv=None):
     torch_run, torch_path = torch_sdpa()
     causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
-    print_machine(f"B=1 H={args.heads}" + (", one core, CPU time" if args.one_core else ""),
+    print_machine(case_title(args) + (", one core, CPU time" if args.one_core else ""),
                   ceilings, torch_run is not None)
     header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | torch path      "
               f"| naive | cuonline/torch | cuonline/BLAS |")
@@ -294,7 +313,7 @@ def main(argv=None):
     ratios = []
     for n, d, dt, causal in itertools.product(args.lengths, args.dims, args.dtypes,
                                               causal_cases):
-        q, k, v = (rng.standard_normal((1, args.heads, n, d)).astype(dt) for _ in range(3))
+        q, k, v = case_inputs(rng, args, n, d, dt, 3)
         gflop = 4 * args.heads * n * n * d / (2 if causal else 1) / 1e9
         ours = gflop / best_seconds(
             lambda: cuonline.attention(q, k, v, causal=causal, workers=workers), args.repeat)
