@@ -14,6 +14,7 @@ from support import check_attention
 import cuonline
 from cuonline import _validate
 from cuonline.engines import numpy as numpy_engine
+from cuonline.engines.cpu_runtime import ElementRun
 from cuonline.engines.numpy_scores import SLICE_BYTES
 
 SHAPES = [((3, 5), 1, 1, 8), ((2, 4), 64, 64, 32), ((7,), 100, 130, 16), ((2, 3), 256, 256, 64)]
@@ -66,6 +67,26 @@ def without_compiled_walk(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(numpy_engine, "_stack_walk", lambda p, element: None)
         yield
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_stack_writes_every_value_of_the_output_it_is_given(rng, dtype):
+    # the engine hands the stacks its results unzeroed (np.empty): whatever the output held,
+    # NaN and inf included, the values come out the same, rows that see no key included
+    q, k, v = data(rng, (6,), 40, 70, 16, dtype)
+    options = {"causal": True, "q_offset": -5, "return_lse": True}   # rows 0-4 see nothing
+    p = _validate.validate_attention(q, k, v, **options)
+    elements = ElementRun((6,), 1, 5)
+    results = []
+    for fill in (0.0, np.nan, np.inf):
+        held = np.full((4, 40, 16), fill, dtype)
+        o, lse = numpy_engine.attend_stacked(p, elements, 0, 40, 0, 70, held)
+        results.append((np.array(o), lse))
+    out, lse = cuonline.attention(q, k, v, **options)
+    assert (lse[:, :5] == -np.inf).all() and (out[:, :5] == 0).all()
+    for o, got_lse in results:
+        np.testing.assert_array_equal(o, out[1:5])
+        np.testing.assert_array_equal(got_lse, lse[1:5])
 
 
 def test_compiled_stacks_hold_their_queries_and_outputs_within_a_slice(rng):

@@ -175,6 +175,23 @@ def test_tile_matches_ufunc_passes(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_sets_the_output_of_a_row_that_saw_nothing(dtype, rng):
+    """A row whose running max is -inf has seen no key: its output is 0 whatever the array
+    held (the compiled walks do not zero their outputs first), NaN and inf included; a row
+    that has seen keys keeps a NaN of its output."""
+    s, m, l, o = tile_case(dtype, rng)
+    held = o.copy()
+    held[3] = np.nan
+    held[8] = np.inf
+    held[10, 0] = np.nan                                # a row that has seen keys
+    got = kernel_tile(s, m, l, held)
+    want = kernel_tile(s, m, l, o)
+    rows = np.arange(len(s)) != 10
+    np.testing.assert_array_equal(got[3][rows], want[3][rows])
+    assert (got[3][[3, 8]] == 0).all() and np.isnan(got[3][10, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_tile_band_is_masking(dtype, rng):
     """Columns outside [lo, hi) count as -inf whatever the scores hold there (NaN included),
     for bounds before, inside and past the tile, and empty or inverted ranges."""

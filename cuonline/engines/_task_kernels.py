@@ -213,6 +213,8 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
         for i in range(n):
             for c in range(d):
                 queries[i, c] = rows[i, c] * scale
+        if j_hi <= j_lo:
+            o[g] = zero                 # no tile, whose kernel would set each row of o first
         forward_task(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
                      o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide)
         finite[g] = normalise_rows(l[g], o[g])
@@ -242,7 +244,9 @@ ks, vs : (G,) int64 arrays
     Addresses of key row 0 and value row 0 of each element; ``ldk``, ``ldv``: their row
     strides in elements (the same for every element).
 m, l, o : arrays (G, n), (G, n), (G, n, dv), C-ordered
-    Each element's running max and sum, updated, and its output: zeros in, normalised out.
+    Each element's running max and sum (-inf and 0 in), updated, and its output: any values
+    in (the tile kernel sets each row of a walk's first tile, where ``m`` is -inf),
+    normalised out.
 finite : (G,) bool array
     Set to whether each element's unnormalised output was finite (the caller redoes the
     others by the careful path).

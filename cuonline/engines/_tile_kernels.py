@@ -331,21 +331,24 @@ def _online_softmax_tile(s, m, l, o, lo, hi):
             y = exp_weight(row[j] - shift)
             row[j] = y
             total += y
-        # the rescale factor exp(m - shift): exactly 0 for a row that saw nothing before and 1
-        # for one whose max stays, taken without the exponential, where exp(-inf) costs a
-        # product with an underflowing result (a microcode assist of about 140 cycles a row
-        # on Intel cores: 40% of a first 128 x 128 tile)
+        # the old state rescaled by exp(m - shift), which is 1 where the max stays; a row that
+        # saw nothing before has a sum and output of 0 (whatever its output held: the walks'
+        # outputs need not be zeroed, and a 0 * NaN of a value it could not see stays out).
+        # Neither goes through the exponential: exp(-inf) costs a product with an
+        # underflowing result, a microcode assist of about 140 cycles a row on Intel cores
+        # (40% of a first 128 x 128 tile)
+        orow = o[i]
         if m[i] == -np.inf:
-            alpha = zero
-        elif m[i] == top[i]:
-            alpha = s.dtype.type(1)
-        else:
+            l[i] = total
+            for d in range(orow.shape[0]):
+                orow[d] = zero
+        elif m[i] != top[i]:                        # NaN too
             alpha = exp_weight(m[i] - shift)
-        l[i] = l[i] * alpha + total
-        if alpha != 1:
-            orow = o[i]
+            l[i] = l[i] * alpha + total
             for d in range(orow.shape[0]):
                 orow[d] *= alpha
+        else:
+            l[i] += total
         m[i] = top[i]
 
 
@@ -360,8 +363,9 @@ s : (n, k) array, float32 or float64
 m, l : (n,) arrays of the dtype of ``s``
     Running max and running sum ``sum(exp(s - m))``; updated to include the tile.
 o : (n, dv) array of the dtype of ``s``
-    Unnormalised output ``sum(exp(s - m) v)``; rescaled by ``exp(m_old - m_new)``. The caller
-    adds ``p @ v`` (BLAS).
+    Unnormalised output ``sum(exp(s - m) v)``; rescaled by ``exp(m_old - m_new)``, and set to
+    0 in a row with ``m = -inf`` (it saw nothing: what it holds is not read). The caller adds
+    ``p @ v`` (BLAS).
 lo, hi : (n,) int64 arrays
     Row ``i`` sees columns ``[lo[i], hi[i])`` (clipped to ``[0, k)``): the others count as
     ``-inf`` whatever ``s`` holds there (a causal or sliding-window band without a masking

@@ -55,11 +55,11 @@ import numpy as np
 from .. import _environment
 from .._cache_files import write_json_atomically
 from .cblas import NO_TRANS, ROW_MAJOR, layout_of
-from .cpu_runtime import (cache_sizes, cpu_model, score_tile, single_threaded_blas,
+from .cpu_runtime import (ElementRun, cache_sizes, cpu_model, score_tile, single_threaded_blas,
                           tile_kernel)
 
-__all__ = ["chosen", "compiled_task", "batch_addresses", "product", "available", "describe",
-           "reset"]
+__all__ = ["chosen", "compiled_task", "batch_index", "batch_addresses", "product", "available",
+           "describe", "reset"]
 
 # MKL's service functions (mkl_service.h)
 _MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
@@ -346,13 +346,23 @@ def compiled_task(dtype, name, operands):
     return None if kernel is None else (blas, kernel)
 
 
+def batch_index(elements):
+    """The batch ``elements`` (index tuples, or a :class:`.cpu_runtime.ElementRun` of them)
+    as an int64 array, one row per element."""
+    if isinstance(elements, ElementRun):
+        return elements.index()
+    return np.array(elements, dtype=np.int64).reshape(len(elements), -1)
+
+
 def batch_addresses(x, elements):
-    """The addresses of the matrices ``x[b]`` of the batch ``elements`` (index tuples) of an
-    array ``x`` of shape ``S + (L, D)``, as int64; an axis of ``S`` of length 1 is taken as
-    broadcast (index 0 whatever ``b`` says: the slot of a gradient buffer)."""
-    index = np.array(elements, dtype=np.int64).reshape(len(elements), -1)
+    """The addresses of the matrices ``x[b]`` of the batch ``elements`` (as
+    :func:`batch_index` takes them, or its array) of an array ``x`` of shape ``S + (L, D)``,
+    as int64; an axis of ``S`` of length 1 is taken as broadcast (index 0 whatever ``b``
+    says: the slot of a gradient buffer)."""
+    index = elements if isinstance(elements, np.ndarray) else batch_index(elements)
     lead = index.shape[1]
-    strides = np.where(np.array(x.shape[:lead]) == 1, 0, x.strides[:lead]).astype(np.int64)
+    strides = np.array([0 if n == 1 else s for n, s in zip(x.shape[:lead], x.strides[:lead])],
+                       dtype=np.int64)
     return x.ctypes.data + index @ strides
 
 

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _options, _semantics
-from .cpu_blas import batch_addresses, compiled_task, product
-from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
-                          workers)
+from .cpu_blas import batch_addresses, batch_index, compiled_task, product
+from .cpu_runtime import (ElementRun, cache_sizes, run_tasks, score_tile, stacks_of,
+                          tile_kernel, workers)
 from .merge import merge_states
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
                            copy_is_large, query_diagonals, visible_product)
@@ -74,9 +74,15 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
     :func:`workers`). The plan does not depend on ``p.workers``, so neither do the results.
     """
     n_workers = workers() if p.workers is None else p.workers
-    out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
-    lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
     stacks = stack_plan(p)
+    # where the stacks' query blocks hold every row (none left out for seeing no key), each
+    # row of the results is written: no zeros first (2 MB of them at 64 heads of 128 x 64)
+    if stacks is not None and sum(i1 - i0 for i0, i1 in {t[1:3] for t in stacks}) == p.lq:
+        out = np.empty(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
+        lse = np.empty(p.batch_shape + (p.lq,), dtype=p.acc_dtype)
+    else:
+        out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
+        lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
     if stacks is not None:
         # a stack is a run of consecutive elements: one slice of the (fresh, C-ordered) results
         flat_out = out.reshape((p.nbatch, p.lq, p.dv))
@@ -84,8 +90,7 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
 
         def run_stack(task):
             elements, i0, i1, j0, j1 = task
-            first = int(np.ravel_multi_index(elements[0], p.batch_shape))
-            rows = slice(first, first + len(elements))
+            rows = slice(elements.start, elements.stop)
             # whole elements in the accumulation dtype: the walk writes into the result
             target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
                       else None)
@@ -152,7 +157,7 @@ def plan(p):
 
 def stack_plan(p):
     """The tasks of a batch run as stacks of elements, ``[(batch elements, i0, i1, j0, j1),
-    ...]``: the queries ``[i0, i1)`` of each of the (consecutive) elements over keys
+    ...]`` (the elements an :class:`.cpu_runtime.ElementRun`): the queries ``[i0, i1)`` of each of the (consecutive) elements over keys
     ``[j0, j1)``; or None where :func:`plan` applies.
 
     A task of one element and query block spends time in Python around its compiled walk:
@@ -177,8 +182,8 @@ def stack_plan(p):
     runs = stacks_of(p.nbatch, most, workers())
     if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
-    elements = list(np.ndindex(*p.batch_shape))
-    return [(elements[a:z], i0, i1, j0, j1) for i0, i1, j0, j1 in spans for a, z in runs]
+    return [(ElementRun(p.batch_shape, a, z), i0, i1, j0, j1) for i0, i1, j0, j1 in spans
+            for a, z in runs]
 
 
 def _block_spans(p):
@@ -231,8 +236,8 @@ def stack_limit(p):
 def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     """Normalised ``(out, lse)`` in the accumulation dtype, shapes ``(G, n, Dv)`` and
     ``(G, n)``, of the queries ``[i0, i1)`` (``n`` of them) of the batch ``elements`` (G of
-    them) over keys ``[j0, j1)``; ``out``: zeros of that shape and dtype,
-    C-ordered, for the compiled walk to write the outputs into (then returned as they are):
+    them) over keys ``[j0, j1)``; ``out``: an array of that shape and dtype, C-ordered (its
+    values are not read), for the compiled walk to write the outputs into (then returned):
     :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
     it runs the elements in one call (:func:`_compiled_walks`: each element's scaled queries,
     tiles, products, tile kernel and normalisation those of a task of its own, so the same
@@ -275,7 +280,7 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     """``(o, finite)`` of the queries ``[i0, i1)`` of each of the batch ``elements`` after
     their walks over keys ``[j0, j1)``, in one compiled call
     (:func:`._task_kernels.forward_stack`): the normalised outputs ``(G, i1 - i0, Dv)`` (in
-    ``out`` where given: zeros, C-ordered, of the accumulation dtype), and
+    ``out`` where given: C-ordered, of the accumulation dtype, its values not read), and
     whether each element's output was finite before (the others are for the caller to redo);
     ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
     compiled walk: the plain score of a stack of whole elements (:func:`attend_stacked`) or of
@@ -289,19 +294,20 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
         return None
     (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), i1 - i0, p.d
     first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
+    index = batch_index(elements)
     if p.q.flags.aligned and blas.reads_rows(first, acc_t):
-        qs, ldq = batch_addresses(p.q, elements) + i0 * first.strides[0], first.strides[0] // size
+        qs, ldq = batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size
     else:
         copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
         qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
-    o = np.zeros((g, n, p.dv), dtype=acc_t) if out is None else out
+    o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
     finite = np.empty(g, dtype=np.bool_)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
     scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
     stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
-          batch_addresses(p.k, elements), p.k.strides[-2] // size,
-          batch_addresses(p.v, elements), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
+          batch_addresses(p.k, index), p.k.strides[-2] // size,
+          batch_addresses(p.v, index), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
           j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
     return o, finite
 

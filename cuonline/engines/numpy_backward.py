@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
-from .cpu_blas import batch_addresses, compiled_task, product
+from .cpu_blas import batch_addresses, batch_index, compiled_task, product
 from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
                           workers)
 from .numpy import plain_score
@@ -452,7 +452,8 @@ def _compiled_stack(bp, elements, buffers, sums):
     acc = p.acc_dtype
     first = elements[0]
     grads = [buffers[n][bp.targets[n].slot(first)] for n in ("q", "k", "v")]
-    index = tuple(np.array(elements, dtype=np.intp).reshape(len(elements), -1).T)
+    at = batch_index(elements)
+    index = tuple(at.T)
 
     def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
         return np.asarray(x[index], dtype=acc)
@@ -482,7 +483,7 @@ def _compiled_stack(bp, elements, buffers, sums):
     (blas, stack), size = found, acc.itemsize
 
     def rows(x):                     # each element's row-0 address (a gradient: its slot's)
-        return batch_addresses(x, elements), x.strides[-2] // size
+        return batch_addresses(x, at), x.strides[-2] // size
 
     done, skip = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
                        do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,

@@ -38,7 +38,7 @@ import numpy as np
 from .._gradients import Gradients, Target, gradients_of
 from . import numpy as numpy_forward
 from . import numpy_backward
-from .cpu_runtime import stacks_of
+from .cpu_runtime import ElementRun, stacks_of
 
 if TYPE_CHECKING:
     from .._validate import BackwardProblem, Problem, StatsProblem
@@ -221,14 +221,13 @@ def attention(p: Problem) -> tuple[Any, Any]:
     lse = np.full(batch + (p.lq,), -np.inf, dtype=p.acc_dtype)
     # a run of consecutive elements of the (fresh, C-ordered) results: one slice
     flat_out, flat_lse = out.reshape((-1, p.lq, p.dv)), lse.reshape((-1, p.lq))
-    elements = list(np.ndindex(*batch))
 
     def run(task):
         for b, e, i0, i1, j0, j1 in task:
             rows = slice(int(p.cu_seqlens_q[b]) + i0, int(p.cu_seqlens_q[b]) + i1)
             if isinstance(e, slice):                      # a stack of elements
                 flat_out[e, rows], flat_lse[e, rows] = numpy_forward.attend_stacked(
-                    subs[b], elements[e], i0, i1, j0, j1)
+                    subs[b], ElementRun(batch, e.start, e.stop), i0, i1, j0, j1)
             else:
                 out[e][rows], lse[e][rows] = numpy_forward.attend(subs[b], e, i0, i1, j0, j1)
 
