@@ -282,3 +282,25 @@ def test_stacks_give_every_core_the_same_share(count, most, cores, lengths):
     assert [z - a for a, z in runs] == lengths
     assert runs[0][0] == 0 and runs[-1][1] == count
     assert all(a == z0 for (_, z0), (a, _) in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (2, 3, 4), (1, 5, 1)], ids=str)
+def test_element_runs_read_as_the_lists_of_their_elements(shape):
+    from cuonline.engines.cpu_blas import batch_addresses
+    from cuonline.engines.cpu_runtime import ElementRun
+
+    elements = list(np.ndindex(*shape))
+    for a, z in [(0, len(elements)), (1, len(elements) - 1), (2, 2)]:
+        run, want = ElementRun(shape, a, z), elements[a:z]
+        assert len(run) == len(want) and list(run) == want and run == want
+        assert [run[i] for i in range(-len(want), len(want))] == want + want
+        assert run[1:-1] == want[1:-1] and run[::2] == want[::2]
+        with pytest.raises(IndexError):
+            run[len(want)]
+        assert run.indices().tolist() == [list(e) for e in want]
+        # the addresses a compiled stack reads, broadcast axes (length 1) included
+        x = np.zeros(tuple(1 if n == 3 else n for n in shape) + (2, 3), np.float32)
+        lead = [n == 1 for n in x.shape[:len(shape)]]
+        np.testing.assert_array_equal(
+            batch_addresses(x, run),
+            [x[tuple(0 if one else i for i, one in zip(e, lead))].ctypes.data for e in want])

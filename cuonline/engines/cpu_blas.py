@@ -350,7 +350,7 @@ def batch_index(elements):
     """The batch ``elements`` (index tuples, or a :class:`.cpu_runtime.ElementRun` of them)
     as an int64 array, one row per element."""
     if isinstance(elements, ElementRun):
-        return elements.index()
+        return elements.indices()
     return np.array(elements, dtype=np.int64).reshape(len(elements), -1)
 
 

@@ -60,7 +60,7 @@ class ElementRun(Sequence):
     """The batch elements ``start`` to ``stop`` (in C order) of a batch of ``shape``, read as
     the list of their index tuples (``list(np.ndindex(*shape))[start:stop]``) without making
     it: a batch of a thousand short sequences took about 80 us to list, and NumPy 130 us more
-    to read the list back as an array. :meth:`index` gives the indices as one array, for
+    to read the list back as an array. :meth:`indices` gives them as one array, for
     :func:`.cpu_blas.batch_addresses`."""
 
     __slots__ = ("shape", "start", "stop")
@@ -99,7 +99,7 @@ class ElementRun(Sequence):
     def __repr__(self):
         return f"ElementRun({self.shape}, {self.start}, {self.stop})"
 
-    def index(self):  # type: ignore[override]
+    def indices(self):
         """The elements' indices, an int64 array of shape ``(len(self), len(shape))``."""
         flat = np.arange(self.start, self.stop, dtype=np.int64)
         if not self.shape:
