@@ -484,6 +484,27 @@ def test_backward_stacks_add_shared_keys_in_order(library, backward_stacks, monk
 
 
 @on_cblas
+@pytest.mark.parametrize("layout", ["BHLD", "BLHD"])
+def test_backward_stacks_read_runs_of_elements_in_either_layout(library, backward_stacks,
+                                                                 monkeypatch, rng, layout):
+    """A stack is a run of consecutive elements: read as one slice where the batch axes
+    merge (B, H, L, D), gathered where they do not (the heads of a (B, L, H, D) array); the
+    same bits either way, and its row sums added in place."""
+    def array(d):
+        x = rng.standard_normal((3, 4, 50, d) if layout == "BHLD" else (3, 50, 4, d))
+        x = x.astype(np.float32)
+        return x if layout == "BHLD" else x.transpose(0, 2, 1, 3)
+
+    q, k, v = array(16), array(16), array(8)
+    case = gradients_case(rng, q, k, v, {"causal": True})
+    got = cuonline.attention_backward(*case, causal=True)
+    assert backward_stacks and all(done == n for done, n in backward_stacks)
+    same_gradients(got, backward_per_element(
+        monkeypatch, lambda: cuonline.attention_backward(*case, causal=True)))
+    check_gradients(got, case[0], q, k, v, {"causal": True})
+
+
+@on_cblas
 def test_a_nan_stops_a_backward_stack_at_its_element(library, backward_stacks, monkeypatch,
                                                      rng):
     """NaN in element 5's values reaches its dS: the stack stops there, the elements from it

@@ -30,6 +30,7 @@ output gradients and outputs: at most ``SLICE_BYTES``): never an ``Lq x Lk`` arr
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,8 +38,8 @@ import numpy as np
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
 from .cpu_blas import batch_addresses, batch_index, compiled_task, product
-from .cpu_runtime import (cache_sizes, run_tasks, score_tile, stacks_of, tile_kernel,
-                          workers)
+from .cpu_runtime import (ElementRun, cache_sizes, run_tasks, score_tile, stacks_of,
+                          tile_kernel, workers)
 from .numpy import plain_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
                            query_diagonals, skewed, spanned_product, visible_product)
@@ -74,8 +75,8 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     p = bp.forward
     acc = p.acc_dtype
     targets = bp.targets
-    buffers = {name: np.zeros(t.padded(len(p.batch_shape)), dtype=acc)
-               for name, t in targets.items()}
+    buffers = _zeroed_buffers({name: t.padded(len(p.batch_shape))
+                               for name, t in targets.items()}, acc)
     n_workers = workers() if p.workers is None else p.workers
     tasks = _plan(p, targets)
     # each row's sum of P and, for rows given lse = -inf, whether the row sees a key: written
@@ -88,6 +89,29 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     buffers["q"] *= acc.type(p.scale)
     grads = {name: targets[name].finish(buffers[name]) for name in targets}
     return gradients_of(grads)
+
+
+def _zeroed_buffers(shapes, dtype):
+    """``{name: zeros of shape}`` as views of one allocation, each a multiple of 64 bytes
+    from its start.
+
+    Gradient buffers of a few MB each, allocated one by one, come from fresh pages where the
+    C library's allocator maps them anew (it returns blocks above its threshold to the
+    system on release): each 4 KiB page then faults on its first write, inside the
+    products of the walk, and two threads faulting at once contend in the kernel. Measured
+    on machine C (N 128, H 64, float32): 3260 faults and 23-28 ms a call on two threads,
+    against 6 ms where the allocator happened to reuse its memory. One allocation past 4 MiB
+    is one NumPy asks the kernel to back with huge pages (where the kernel does so): a few
+    faults."""
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    step = max(1, 64 // dtype.itemsize)
+    offsets, total = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = total
+        total += -(-size // step) * step
+    block = np.zeros(total, dtype=dtype)
+    return {name: block[offsets[name]:offsets[name] + sizes[name]].reshape(shapes[name])
+            for name in shapes}
 
 
 def _run_task(bp, task, buffers, sums):
@@ -157,6 +181,9 @@ def _stacks(p, groups):
     runs = stacks_of(p.nbatch, most, workers())
     if p.nbatch < 2 * len(runs):
         return None
+    if len(groups) == p.nbatch:
+        # every group one element (no gradient slot shared): the runs themselves
+        return [ElementRun(p.batch_shape, a, z) for a, z in runs]
     # whole groups, a new stack once the last one has reached the end of its run
     stacks, filled = [], 0
     for g in groups:
@@ -455,10 +482,17 @@ def _compiled_stack(bp, elements, buffers, sums):
     at = batch_index(elements)
     index = tuple(at.T)
 
-    def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
-        return np.asarray(x[index], dtype=acc)
+    def gathered(x):                       # (G, ...): a view where a run's batch axes merge
+        if isinstance(elements, ElementRun):
+            flat = _merged_batch(np.broadcast_to(x, p.batch_shape + x.shape[-2:]))
+            if flat is not None:
+                return flat[elements.start:elements.stop]
+        return x[index]
 
-    qs = stacked(p.q) * acc.type(p.scale)
+    def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
+        return np.ascontiguousarray(gathered(x), dtype=acc)
+
+    qs = np.multiply(gathered(p.q), acc.type(p.scale), dtype=acc)
     do = stacked(bp.dout)
     found = compiled_task(acc, "backward_stack", (qs[0], do[0], p.k[first], p.v[first],
                                                    *grads))
@@ -467,7 +501,7 @@ def _compiled_stack(bp, elements, buffers, sums):
     lse = np.broadcast_to(bp.lse, p.batch_shape + (p.lq,))[index].astype(acc, copy=False)
     with np.errstate(invalid="ignore"):
         finite = (np.isfinite(qs).all() and np.isfinite(do).all()
-                  and np.isfinite(p.k[index]).all())
+                  and np.isfinite(gathered(p.k)).all())
     if not finite or (lse == -np.inf).any():
         return 0, 0
     delta = _delta(do, stacked(bp.out))
@@ -491,9 +525,26 @@ def _compiled_stack(bp, elements, buffers, sums):
                        delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
                        np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide)
     # the rows' sums of the elements done and of the tiles done of the next one
-    for g, b in enumerate(elements[:done + (skip > 0)]):
-        sums.sums[b] += row_sums[g]
+    added = done + (skip > 0)
+    flat = _merged_batch(sums.sums, 1) if isinstance(elements, ElementRun) else None
+    if flat is not None:
+        flat[elements.start:elements.start + added] += row_sums[:added]
+    else:
+        for g, b in enumerate(elements[:added]):
+            sums.sums[b] += row_sums[g]
     return done, skip
+
+
+def _merged_batch(x, tail=2):
+    """``x`` (batch axes, then ``tail`` more) as a view with one batch axis, in C order, or
+    None where its batch axes do not merge into one (a copy would be needed)."""
+    lead = x.ndim - tail
+    axes = [(n, step) for n, step in zip(x.shape[:lead], x.strides[:lead]) if n != 1]
+    if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
+        return None
+    return np.lib.stride_tricks.as_strided(
+        x, (math.prod(x.shape[:lead]),) + x.shape[lead:],
+        (axes[-1][1] if axes else 0,) + x.strides[lead:], writeable=x.flags.writeable)
 
 
 class _Visibility:
