@@ -111,9 +111,27 @@ def test_inputs_with_row_gaps_take_the_walk(library, small_tiles, monkeypatch, r
 STEPS_ASIDE = {
     "a bias": lambda q: {"bias": np.zeros((q.shape[1], q.shape[1]), q.dtype)},
     "a soft cap": lambda q: {"softcap": 5.0},
-    "ALiBi": lambda q: {"alibi_slopes": np.array([0.5, 0.25])},
     "a mask": lambda q: {"mask": np.ones((q.shape[1], q.shape[1]), bool)},
 }
+
+
+@on_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", ["plain", "causal", "window", "causal, kv_lengths"])
+@pytest.mark.parametrize("slopes", [[0.5, 0.25], [1e-6, 3.0]], ids=["gentle", "steep"])
+def test_alibi_takes_the_walk_with_the_bits_of_the_python_loop(
+        library, small_tiles, monkeypatch, rng, dtype, band, slopes):
+    """ALiBi's term is added in the walk, after each tile's product (the term's product
+    rounded before the sum, as the score pipeline rounds it), for every band, tail and row
+    group; a steep slope sends most weights of a row below the smallest normal number. (The
+    keys outnumber the queries: each row has a key at distance 0. A row whose nearest key is
+    67 away has logits near -201 under a slope of 3, rounded to float32's 1.5e-5 there, on
+    both paths alike: 4x the oracle's naive error.)"""
+    options = dict(BANDS[band], alibi_slopes=np.array(slopes, dtype))
+    if "kv_lengths" in options:
+        options["kv_lengths"] = np.array([181, 175])    # the last rows' keys 6 away
+    assert_same_bits(inputs(rng, (2,), 97, 181, 24, 20, dtype), options, walks(monkeypatch),
+                     lambda call: python_loop(monkeypatch, call))
 
 
 @on_cblas

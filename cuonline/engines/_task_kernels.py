@@ -46,8 +46,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import _tile_kernels, cblas
-from ._tile_kernels import (backward_tile, clip, compiled, full_vector_width,
-                            normalise_rows, online_softmax_tile)
+from ._tile_kernels import (backward_tile, clip, compiled, flush_subnormals,
+                            full_vector_width, normalise_rows, online_softmax_tile,
+                            restore_subnormals)
 from .cblas import ROW_MAJOR, layout_of
 
 _layout = numba.njit(layout_of)
@@ -140,8 +141,36 @@ def _spans(lo, hi, w, span_rows, c0s, c1s):
     return n
 
 
+@numba.njit(fastmath={"nsz"})
+def _alibi_term(slope, distance):
+    """``-(slope * distance)``, compiled without ``contract``: the product rounds before the
+    logit adds it (no FMA), as :meth:`.numpy_scores.ScorePipeline.alibi_band`'s does."""
+    return -(slope * distance)
+
+
+@numba.njit(fastmath=_tile_kernels.FASTMATH)
+def _add_alibi(tile, band, slope, key0, diag0, lo, hi):
+    """ALiBi's term ``-(slope * |j - (diag0 + i)|)`` added to the columns ``[lo[i], hi[i])``
+    (clipped) of each row ``i`` of a tile whose column 0 is key ``key0``: the places its row
+    sees (the tile kernel masks the others whatever they hold). The term depends on the
+    distance only: the tile's ``n + w - 1`` distances are worked out once, into ``band``, and
+    each row adds a slice of them (a product per score took 30% of a plain tile's time)."""
+    full_vector_width()
+    n, w = tile.shape
+    nearest = key0 - (diag0 + n - 1)                    # the distance of row n - 1, column 0
+    for t in range(n + w - 1):
+        band[t] = _alibi_term(slope, tile.dtype.type(abs(nearest + t)))
+    for i in range(n):
+        a = clip(lo[i], 0, w)
+        b = clip(hi[i], a, w)
+        row = tile[i, a:b]
+        terms = band[n - 1 - i + a:n - 1 - i + b]
+        for j in range(row.shape[0]):
+            row[j] += terms[j]
+
+
 def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
-                  span_rows, gemm, wide):
+                  span_rows, gemm, wide, alibi, slope, diag0):
     full_vector_width()              # the tile kernel keeps its width, should LLVM inline it
     n, dv = o.shape
     if n == 0 or j_hi <= j_lo:
@@ -153,6 +182,7 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
     hi = np.empty(n, dtype=np.int64)
     c0s = np.empty(n // span_rows + 1, dtype=np.int64)
     c1s = np.empty(n // span_rows + 1, dtype=np.int64)
+    band = np.empty(n + width - 1 if alibi else 0, dtype=s.dtype)
     for js in range(j_lo, j_hi, width):
         w = min(width, j_hi - js)
         for i in range(n):
@@ -168,6 +198,8 @@ def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0,
                          size, k + (js + c0) * ldk * size, size, ldk * size, zero,
                          sa + (r0 * w + c0) * size, w * size, size)
         tile = s[:n * w].reshape((n, w))        # C-ordered, as the tile kernel is compiled
+        if alibi:
+            _add_alibi(tile, band, slope, js, diag0, lo, hi)
         online_softmax_tile(tile, m, l, o, lo, hi)
         for g in range((n + rows - 1) // rows):
             r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
@@ -199,14 +231,18 @@ span_rows : int
     Rows per group for the products of a tile the band crosses.
 gemm, wide : int, bool
     The address of ``cblas_?gemm`` for the dtype of ``s`` and whether its integers are 64-bit.
+alibi, slope, diag0 : bool, float of the dtype of ``s``, int
+    Whether the logits take ALiBi's term ``-slope * |j - (diag0 + i)|`` (``diag0``: the key
+    facing query row 0), added to each tile after its product (:func:`_add_alibi`).
 """
 
 
 def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s, j_lo, j_hi,
-                   width, lo0, hi0, span_rows, gemm, wide):
+                   width, lo0, hi0, span_rows, gemm, wide, slopes, diag0):
     full_vector_width()              # the inlined loops keep their width
     n, d = queries.shape
     zero = s.dtype.type(0)
+    old = flush_subnormals()         # the products of tiny weights run without assists
     for g in range(m.shape[0]):
         # the element's queries scaled into the scratch, as ScorePipeline scales a task's
         rows = numba.carray(_pointer(qs[g], zero), (n, ldq))
@@ -215,9 +251,12 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
                 queries[i, c] = rows[i, c] * scale
         if j_hi <= j_lo:
             o[g] = zero                 # no tile, whose kernel would set each row of o first
+        alibi = slopes.shape[0] > 0
         forward_task(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
-                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide)
+                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi,
+                     slopes[g] if alibi else zero, diag0)
         finite[g] = normalise_rows(l[g], o[g])
+    restore_subnormals(old)
 
 
 forward_stack = compiled(_forward_stack)
@@ -250,12 +289,15 @@ m, l, o : arrays (G, n), (G, n), (G, n, dv), C-ordered
 finite : (G,) bool array
     Set to whether each element's unnormalised output was finite (the caller redoes the
     others by the careful path).
+slopes, diag0 : (G,) array of the dtype of ``s`` (or empty), int
+    Each element's ALiBi slope (empty: no ALiBi term) and the key facing query row 0.
 
 The other parameters are :func:`forward_task`'s, shared by the elements (one window band).
 """
 
 
-def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
+@numba.njit(fastmath=_tile_kernels.FASTMATH)
+def _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
                     q_part, gemm, wide):
     full_vector_width()
@@ -323,6 +365,18 @@ def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk,
                              w * size, size, k + (js + c0) * ldk * size, ldk * size, size,
                              one, dq + (i0 + r0) * lddq * size, lddq * size, size)
     return tiles.shape[0]
+
+
+def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
+                    lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
+                    q_part, gemm, wide):
+    old = flush_subnormals()
+    # under flush-to-zero: the products of tiny weights and gradients run without assists
+    done = _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk,
+                           dvv, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows,
+                           kv_part, q_part, gemm, wide)
+    restore_subnormals(old)
+    return done
 
 
 backward_block = compiled(_backward_block)
@@ -442,14 +496,15 @@ def _warm_up_forward(dtype):
     empty = np.zeros((0, 1), dtype)
     forward_task(0, 1, 0, 1, 0, 1, 1, np.zeros(0, dtype), np.zeros(0, dtype), empty,
                  np.zeros(1, dtype), 0, 1, 1, np.zeros(0, np.int64), np.zeros(0, np.int64), 128,
-                 0, False)
+                 0, False, False, dtype.type(0), 0)
 
 
 def _warm_up_stack(dtype):
     none = np.zeros(0, np.int64)
     forward_stack(none, 1, dtype.type(1), np.zeros((0, 1), dtype), none, 1, none, 1,
                   np.zeros((0, 0), dtype), np.zeros((0, 0), dtype), np.zeros((0, 0, 1), dtype),
-                  np.zeros(0, np.bool_), np.zeros(1, dtype), 0, 1, 1, none, none, 128, 0, False)
+                  np.zeros(0, np.bool_), np.zeros(1, dtype), 0, 1, 1, none, none, 128, 0, False,
+                  np.zeros(0, dtype), 0)
 
 
 def _warm_up_backward_stack(dtype):

@@ -191,11 +191,11 @@ def _block_spans(p):
     block: the most elements a stack may hold (its outputs and at most a copy of its queries
     within ``SLICE_BYTES``, as :func:`stack_limit` counts them), and each query block with the
     keys its rows see (a block whose rows see no key is left out: 0 and -inf as allocated).
-    None where the compiled walk does not apply (the plain score, keys and values CBLAS reads
-    in place) or where ``kv_lengths`` gives the elements different key ranges."""
+    None where the compiled walk does not apply (the logits of :func:`walk_score`, keys and
+    values CBLAS reads in place) or where ``kv_lengths`` gives the elements different key ranges."""
     acc_t = p.acc_dtype
     block_q = blocks(acc_t)[0]
-    if (p.lq <= block_q or p.kv_lengths is not None or not plain_score(p)
+    if (p.lq <= block_q or p.kv_lengths is not None or not walk_score(p)
             or tile_kernel(acc_t) is None):
         return None
     first = (0,) * len(p.batch_shape)
@@ -218,7 +218,7 @@ def stack_limit(p):
     takes no more elements than fill one score tile, the batched products' tile. None where
     they may not: any array option but the window band or a soft cap, queries past one block.
     """
-    if (p.lq == 0 or not plain_score(p) or p.kv_lengths is not None
+    if (p.lq == 0 or not walk_score(p) or p.kv_lengths is not None
             or tile_kernel(p.acc_dtype) is None):
         return None
     block_q, block_k = blocks(p.acc_dtype)
@@ -226,6 +226,8 @@ def stack_limit(p):
     if p.lq > block_q or j1 == j0:
         return None
     compiled = _stack_walk(p, (0,) * len(p.batch_shape)) is not None
+    if not compiled and not plain_score(p):      # the batched products take no ALiBi term
+        return None
     copies = p.lq * (p.d + p.dv) if compiled else p.lq * p.d + (j1 - j0) * (p.d + p.dv)
     most = SLICE_BYTES // max(copies * p.acc_dtype.itemsize, 1)
     if not compiled and j1 - j0 <= key_tile(p.lq, block_q, block_k):
@@ -283,8 +285,9 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     ``out`` where given: C-ordered, of the accumulation dtype, its values not read), and
     whether each element's output was finite before (the others are for the caller to redo);
     ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
-    compiled walk: the plain score of a stack of whole elements (:func:`attend_stacked`) or of
-    one query block (:func:`_compiled_walk`).
+    compiled walk: the logits of :func:`walk_score` (the plain score, ALiBi's term added in
+    the walk) of a stack of whole elements (:func:`attend_stacked`) or of one query block
+    (:func:`_compiled_walk`).
 
     The kernel reads each element's queries in place where CBLAS could (rows of the
     accumulation dtype), else from one stacked copy in it, and scales them itself."""
@@ -308,8 +311,19 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
           batch_addresses(p.k, index), p.k.strides[-2] // size,
           batch_addresses(p.v, index), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
-          j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide)
+          j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide,
+          _slopes(p, elements, index), i0 + p.diagonal_offset)
     return o, finite
+
+
+def _slopes(p, elements, index):
+    """The ALiBi slopes of the batch ``elements`` (rows ``index``), in the accumulation
+    dtype; empty without the term."""
+    if p.alibi_slopes is None:
+        return np.empty(0, dtype=p.acc_dtype)
+    if isinstance(elements, ElementRun):
+        return p.alibi_slopes.reshape(-1)[elements.start:elements.stop]
+    return p.alibi_slopes[tuple(index.T)].reshape(len(elements))   # () batch: one slope
 
 
 def _stack_walk(p, element):
@@ -326,9 +340,19 @@ def _stack_walk(p, element):
 def plain_score(p):
     """True when the logits are ``scale * q . k`` under the window band alone: no soft cap and
     no array option but ``kv_lengths`` (which only shortens the key range)."""
+    return _score_without(p, ("kv_lengths",))
+
+
+def walk_score(p):
+    """True when the forward's compiled walk (:func:`._task_kernels.forward_task`) takes the
+    logits: :func:`plain_score`'s, or those plus ALiBi's term."""
+    return _score_without(p, ("kv_lengths", "alibi_slopes"))
+
+
+def _score_without(p, allowed):
     return p.softcap is None and all(getattr(p, name, None) is None
                                      for name in _options.array_options()
-                                     if name != "kv_lengths")
+                                     if name not in allowed)
 
 
 def key_range(p, b, i0, i1):
@@ -380,7 +404,7 @@ def _compiled_walk(p, b, i0, i1, j_lo, j_hi):
     when the output was not (the caller redoes the block by the careful path). None (nothing
     done) where the compiled walk does not apply."""
     acc_t = p.acc_dtype
-    if (not plain_score(p) or tile_kernel(acc_t) is None
+    if (not walk_score(p) or tile_kernel(acc_t) is None
             or copy_is_large(p.q[b][i0:i1], acc_t)):
         return None
     n = i1 - i0
