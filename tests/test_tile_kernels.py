@@ -741,3 +741,33 @@ def test_kernels_use_the_full_vector_width(tmp_path):
         assert rows["_softmax_rows"].get("vsubp"), rows            # log_softmax
         # _exp_sum's two loops: exp written out (softmax), exp summed only (the other two)
         assert rows["_exp_sum"].get("vpslld", 0) >= 2, rows
+
+
+def test_the_walks_flush_subnormals_and_give_the_mode_back(rng):
+    """Within flush_subnormals a product whose result is below the smallest normal number is
+    0 (on x86-64; elsewhere the modes are left alone); after restore_subnormals, and after
+    a call of the engine on either thread count, this thread rounds to subnormals again."""
+    import numba
+
+    @numba.njit
+    def products(x, y, out):
+        # arrays, as in the kernels: LLVM keeps memory in order around the mode's switches
+        # (a product of two scalars it moved past them)
+        old = tk.flush_subnormals()
+        for i in range(x.shape[0]):
+            out[0, i] = x[i] * y[i]
+        tk.restore_subnormals(old)
+        for i in range(x.shape[0]):
+            out[1, i] = x[i] * y[i]
+
+    x, y = np.full(40, 1e-30, np.float32), np.full(40, 1e-10, np.float32)
+    out = np.empty((2, 40), np.float32)
+    products(x, y, out)
+    assert (out[1] == x * y).all() and (out[1] > 0).all()          # 1e-40: subnormal
+    assert (out[0] == (0 if tk._X86 else out[1])).all()
+    q = (rng.standard_normal((4, 300, 16)) * 6).astype(np.float32)   # sharp: tiny weights
+    for workers in (1, 2):
+        cuonline.attention(q, q, q, workers=workers)
+        cuonline.attention_backward(q, q, q, q, *cuonline.attention(q, q, q, return_lse=True),
+                                    workers=workers)
+        assert np.float32(1e-30) * np.float32(1e-10) > 0

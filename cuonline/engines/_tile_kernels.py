@@ -188,7 +188,11 @@ def flush_subnormals():
     about 100 cycles per vector instruction on x86 cores. Inside the compiled walks that meant
     BLAS's products of tiny weights: ``P v`` ran 3x slower for an ALiBi head whose weights fall
     off to 1e-38 over a few hundred keys. Under these modes a result below 2^-126 (2^-1022)
-    is 0, an absolute change below that, in sums whose terms are up to 1."""
+    is 0, an absolute change below that, in sums whose terms are up to 1.
+
+    LLVM keeps calls and memory accesses in order around the switch, not arithmetic on
+    values held in registers (it moved a product of two scalar arguments past it): what is
+    to run under the modes reads and writes arrays or calls BLAS, as the walks do."""
     old = _swap_mxcsr(0)
     _swap_mxcsr(old | _FTZ_DAZ)
     return old
