@@ -252,9 +252,10 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
         if j_hi <= j_lo:
             o[g] = zero                 # no tile, whose kernel would set each row of o first
         alibi = slopes.shape[0] > 0
+        slope = slopes[g] if alibi else zero
         forward_task(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
-                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi,
-                     slopes[g] if alibi else zero, diag0)
+                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi, slope,
+                     diag0)
         finite[g] = normalise_rows(l[g], o[g])
     restore_subnormals(old)
 
@@ -299,14 +300,16 @@ The other parameters are :func:`forward_task`'s, shared by the elements (one win
 @numba.njit(fastmath=_tile_kernels.FASTMATH)
 def _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
-                    q_part, gemm, wide):
+                    q_part, gemm, wide, alibi, slope, diag0):
     full_vector_width()
     size = s.itemsize
     zero, one = s.dtype.type(0), s.dtype.type(1)
     sa, dsa = np.int64(s.ctypes.data), np.int64(ds.ctypes.data)
-    most = 1
+    most, widest = 1, 1
     for t in range(tiles.shape[0]):
         most = max(most, tiles[t, 1] - tiles[t, 0])
+        widest = max(widest, tiles[t, 3] - tiles[t, 2])
+    band = np.empty(most + widest - 1 if alibi else 0, dtype=s.dtype)
     lo = np.empty(most, dtype=np.int64)
     hi = np.empty(most, dtype=np.int64)
     c0s = np.empty(most // span_rows + 1, dtype=np.int64)
@@ -338,6 +341,8 @@ def _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk,
                          ldo * size, size, v + (js + c0) * ldv * size, size, ldv * size,
                          zero, dsa + (r0 * w + c0) * size, w * size, size)
         tile, grad = s[:n * w].reshape((n, w)), ds[:n * w].reshape((n, w))
+        if alibi:
+            _add_alibi(tile, band, slope, js, diag0 + i0, lo, hi)
         for i in range(n):
             a = clip(lo[i], 0, w)
             tile[i, :a] = -np.inf
@@ -369,12 +374,12 @@ def _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk,
 
 def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
-                    q_part, gemm, wide):
+                    q_part, gemm, wide, alibi, slope, diag0):
     old = flush_subnormals()
     # under flush-to-zero: the products of tiny weights and gradients run without assists
     done = _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk,
                            dvv, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows,
-                           kv_part, q_part, gemm, wide)
+                           kv_part, q_part, gemm, wide, alibi, slope, diag0)
     restore_subnormals(old)
     return done
 
@@ -403,6 +408,9 @@ kv_part, q_part : bool
     Add dK and dV; add dQ and the row sums.
 gemm, wide : int, bool
     ``cblas_?gemm``'s address for the dtype and whether its integers are 64-bit.
+alibi, slope, diag0 : bool, float of the dtype, int
+    Whether the logits take ALiBi's term ``-slope * |j - (diag0 + i)|`` (``diag0``: the key
+    facing query row 0), added to each tile's scores as the forward's walk adds it.
 
 Returns
 -------
@@ -414,13 +422,15 @@ int
 
 def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d, dv, dqs,
                     lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums,
-                    span_rows, gemm, wide):
+                    span_rows, gemm, wide, slopes, diag0):
     full_vector_width()
+    alibi = slopes.shape[0] > 0
     for g in range(lse.shape[0]):
+        slope = slopes[g] if alibi else s.dtype.type(0)
         done = backward_block(tiles, q + g * q_step, ldq, do + g * do_step, ldo, ks[g], ldk,
                               vs[g], ldv, d, dv, dqs[g], lddq, dks[g], lddk, dvs[g], lddv,
                               lse[g], delta[g], sums[g], lo0, hi0, s, ds, row_sums, span_rows,
-                              True, True, gemm, wide)
+                              True, True, gemm, wide, alibi, slope, diag0)
         if done < tiles.shape[0]:
             return g, done
     return lse.shape[0], 0
@@ -446,6 +456,8 @@ ks, vs, dqs, dks, dvs : (G,) int64 arrays
     strides in elements (the same for every element).
 lse, delta, sums : (G, n) arrays
     Each element's rows' log-sum-exp, ``Delta`` and sums of P (added to).
+slopes, diag0 : (G,) array of the dtype (or empty), int
+    Each element's ALiBi slope (empty: no ALiBi term) and the key facing query row 0.
 
 The other parameters are :func:`backward_block`'s; both parts are added.
 
@@ -489,7 +501,8 @@ def _warm_up_backward(dtype):
     z = np.zeros(1, dtype)
     none = np.zeros(0, np.int64)
     backward_block(np.zeros((0, 4), np.int64), 0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 0, 1, 0, 1, 0, 1,
-                   z, z, z, none, none, z, z, z, 128, True, True, 0, False)
+                   z, z, z, none, none, z, z, z, 128, True, True, 0, False, False,
+                   dtype.type(0), 0)
 
 
 def _warm_up_forward(dtype):
@@ -512,7 +525,8 @@ def _warm_up_backward_stack(dtype):
     none = np.zeros(0, np.int64)
     backward_stack(np.zeros((0, 4), np.int64), 0, 1, 0, 0, 1, 0, none, 1, none, 1, 1, 1, none,
                    1, none, 1, none, 1, z, z, z, none, none, np.zeros(1, dtype),
-                   np.zeros(1, dtype), np.zeros(1, dtype), 128, 0, False)
+                   np.zeros(1, dtype), np.zeros(1, dtype), 128, 0, False, np.zeros(0, dtype),
+                   0)
 
 
 _WARM_UP = {"forward_task": (forward_task, _warm_up_forward),

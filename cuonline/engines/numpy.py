@@ -157,8 +157,9 @@ def plan(p):
 
 def stack_plan(p):
     """The tasks of a batch run as stacks of elements, ``[(batch elements, i0, i1, j0, j1),
-    ...]`` (the elements an :class:`.cpu_runtime.ElementRun`): the queries ``[i0, i1)`` of each of the (consecutive) elements over keys
-    ``[j0, j1)``; or None where :func:`plan` applies.
+    ...]`` (the elements an :class:`.cpu_runtime.ElementRun`): the queries ``[i0, i1)`` of
+    each of the (consecutive) elements over keys ``[j0, j1)``; or None where :func:`plan`
+    applies.
 
     A task of one element and query block spends time in Python around its compiled walk:
     measured at L = 256, keys in one tile, about 100 us of each 280 us task; and after the
@@ -312,11 +313,11 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
           batch_addresses(p.k, index), p.k.strides[-2] // size,
           batch_addresses(p.v, index), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
           j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide,
-          _slopes(p, elements, index), i0 + p.diagonal_offset)
+          element_slopes(p, elements, index), i0 + p.diagonal_offset)
     return o, finite
 
 
-def _slopes(p, elements, index):
+def element_slopes(p, elements, index):
     """The ALiBi slopes of the batch ``elements`` (rows ``index``), in the accumulation
     dtype; empty without the term."""
     if p.alibi_slopes is None:

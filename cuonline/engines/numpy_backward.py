@@ -40,7 +40,7 @@ from .._gradients import Gradients, gradients_of
 from .cpu_blas import batch_addresses, batch_index, compiled_task, product
 from .cpu_runtime import (ElementRun, cache_sizes, run_tasks, score_tile, stacks_of,
                           tile_kernel, workers)
-from .numpy import plain_score
+from .numpy import element_slopes, walk_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
                            query_diagonals, skewed, spanned_product, visible_product)
 
@@ -196,11 +196,11 @@ def _stacks(p, groups):
 
 def stack_limit(p):
     """The most batch elements of ``p`` one stack (:func:`stacked_gradients`) may hold: the
-    plain score over every key (no ``kv_lengths``), the stacked copies of the elements'
-    queries, output gradients and outputs within ``SLICE_BYTES`` (at most 5 elements of
-    N 1024, D 64 in float32; none of N 4096, whose elements are long enough alone); 0 where
-    the elements may not run as stacks."""
-    if (not plain_score(p) or p.kv_lengths is not None or p.lq == 0
+    plain score (or it with ALiBi's term) over every key (no ``kv_lengths``), the stacked
+    copies of the elements' queries, output gradients and outputs within ``SLICE_BYTES`` (at
+    most 5 elements of N 1024, D 64 in float32; none of N 4096, whose elements are long
+    enough alone); 0 where the elements may not run as stacks."""
+    if (not walk_score(p) or p.kv_lengths is not None or p.lq == 0
             or tile_kernel(p.acc_dtype, "backward_stack") is None):
         return 0
     return SLICE_BYTES // max(p.lq * (p.d + 2 * p.dv) * p.acc_dtype.itemsize, 1)
@@ -317,8 +317,9 @@ class _Element:
         self.kv_len = p.lk if p.kv_lengths is None else int(p.kv_lengths[b])
         self._pipelines = {}
         self._band = None
-        # the compiled key blocks' case: the plain score, every row seeing a key
-        self.plain = plain_score(p) and not self.dead.any()
+        # the compiled key blocks' case: the plain score (ALiBi's term added in the block),
+        # every row seeing a key
+        self.plain = walk_score(p) and not self.dead.any()
 
     def band(self, p):
         """``(lo, hi)``: row ``i`` may see the keys ``[lo[i], hi[i])`` by the window band."""
@@ -438,11 +439,11 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
 def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part):
     """The ``tiles`` of one key block (keys from ``j0``) in one compiled call
     (:func:`._task_kernels.backward_block`: the same products and tile kernel as the loop of
-    :func:`_one_batch_element`, so the same bits), where it applies: the plain score, every
-    row seeing a key, operands and gradients whose rows CBLAS reads in place and a BLAS
-    library loaded for CBLAS; the caller has checked that Q, dO and K are finite. Returns how
-    many tiles it did (0: it did not apply; fewer than all: a tile's P or dS was not finite,
-    and the caller's loop does the rest)."""
+    :func:`_one_batch_element`, so the same bits), where it applies: the plain score (ALiBi's
+    term too), every row seeing a key, operands and gradients whose rows CBLAS reads in place
+    and a BLAS library loaded for CBLAS; the caller has checked that Q, dO and K are finite.
+    Returns how many tiles it did (0: it did not apply; fewer than all: a tile's P or dS was
+    not finite, and the caller's loop does the rest)."""
     acc = p.acc_dtype
     # backward_block compiles backward_tile within it
     found = (None if not tiles or not e.plain
@@ -463,7 +464,9 @@ def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part)
                   e.qs.shape[1], e.do.shape[1], *rows(dq), *rows(dk), *rows(dv),
                   e.lse, e.delta, sums.sums[e.b], lo, hi, np.empty(n * w, acc),
                   np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, kv_part, q_part,
-                  blas.address(acc), blas.wide)
+                  blas.address(acc), blas.wide, p.alibi_slopes is not None,
+                  acc.type(0 if p.alibi_slopes is None else p.alibi_slopes[e.b]),
+                  p.diagonal_offset)
 
 
 def _compiled_stack(bp, elements, buffers, sums):
@@ -523,7 +526,8 @@ def _compiled_stack(bp, elements, buffers, sums):
                        do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
                        *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse,
                        delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
-                       np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide)
+                       np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide,
+                       element_slopes(p, elements, at), p.diagonal_offset)
     # the rows' sums of the elements done and of the tiles done of the next one
     added = done + (skip > 0)
     flat = _merged_batch(sums.sums, 1) if isinstance(elements, ElementRun) else None
