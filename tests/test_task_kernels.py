@@ -378,13 +378,19 @@ def test_backward_same_bits_as_the_python_loop(library, small_backward_tiles, mo
     if "kv_lengths" in options:
         options["kv_lengths"] = np.minimum(options["kv_lengths"], lk)
     case = backward_case(rng, dtype, lq, lk, d, dv, **options)
+    assert_blocks_like_the_python_loop(monkeypatch, backward, case, options)
+
+
+def assert_blocks_like_the_python_loop(monkeypatch, backward, case, options, subnormals=False):
+    """Every compiled key block did all its tiles, with the Python loop's gradients
+    (:func:`same_gradients`) and the oracle's."""
     done = blocks_done(monkeypatch, backward)
     got = cuonline.attention_backward(*case, **options)
     assert done and all(done)
     with monkeypatch.context() as m:
         m.setattr(backward, "_compiled_block", lambda *args: 0)
         want = cuonline.attention_backward(*case, **options)
-    same_gradients(got, want)
+    same_gradients(got, want, subnormals)
     check_gradients(got, case[0], *case[1:4], options)
 
 
@@ -401,14 +407,7 @@ def test_backward_alibi_same_bits_as_the_python_loop(library, small_backward_til
     monkeypatch.setattr(backward, "workers", lambda: cores)
     options = dict(BANDS[band], alibi_slopes=np.array([0.25, 3.0], dtype))
     case = backward_case(rng, dtype, 97, 181, **options)
-    done = blocks_done(monkeypatch, backward)
-    got = cuonline.attention_backward(*case, **options)
-    assert done and all(done)
-    with monkeypatch.context() as m:
-        m.setattr(backward, "_compiled_block", lambda *args: 0)
-        want = cuonline.attention_backward(*case, **options)
-    same_gradients(got, want, subnormals=True)
-    check_gradients(got, case[0], *case[1:4], options)
+    assert_blocks_like_the_python_loop(monkeypatch, backward, case, options, subnormals=True)
 
 
 @on_cblas
