@@ -219,14 +219,14 @@ def stacks(monkeypatch):
     the list of the compiled stack calls' outcomes (True: ran)."""
     plan_alike(monkeypatch, numpy_engine, 512)
     ran = []
-    original = numpy_engine._compiled_walks
+    original = numpy_engine._walk_call
 
     def counted(*args):
         o = original(*args)
         ran.append(o is not None)
         return o
 
-    monkeypatch.setattr(numpy_engine, "_compiled_walks", counted)
+    monkeypatch.setattr(numpy_engine, "_walk_call", counted)
     return ran
 
 

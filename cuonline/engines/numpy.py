@@ -88,19 +88,29 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
         flat_out = out.reshape((p.nbatch, p.lq, p.dv))
         flat_lse = lse.reshape((p.nbatch, p.lq))
 
-        def run_stack(task):
+        def prepared(task):
             elements, i0, i1, j0, j1 = task
             rows = slice(elements.start, elements.stop)
             # whole elements in the accumulation dtype: the walk writes into the result
             target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
                       else None)
-            o, flat_lse[rows, i0:i1] = attend_stacked(p, elements, i0, i1, j0, j1, target)
-            if o is not target:
-                flat_out[rows, i0:i1] = o
+            walk = stacked_walk(p, elements, i0, i1, j0, j1, target)
+            if walk is None:
+                walk = lambda: attend_stacked(p, elements, i0, i1, j0, j1, target)  # noqa: E731
 
-        # the longest first: under a causal band, the lower blocks see more keys
-        run_tasks(stacks, run_stack, n_workers,
-                  cost=lambda t: len(t[0]) * (t[2] - t[1]) * (t[4] - t[3]))
+            def run():
+                o, flat_lse[rows, i0:i1] = walk()
+                if o is not target:
+                    flat_out[rows, i0:i1] = o
+
+            return run
+
+        # every stack's compiled call made first, in this thread (stacked_walk); the longest
+        # first: under a causal band, the lower blocks see more keys
+        runs = [prepared(task) for task in stacks]
+        run_tasks(range(len(stacks)), lambda i: runs[i](), n_workers,
+                  cost=lambda i: len(stacks[i][0]) * (stacks[i][2] - stacks[i][1])
+                  * (stacks[i][4] - stacks[i][3]))
         return out, (lse if p.return_lse else None)
     blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
@@ -248,15 +258,14 @@ def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     element, the same products as :func:`_attend`'s Python loop), and keys past one tile,
     :func:`_attend` per element. An element whose output is not finite is redone by
     :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
+    walk = stacked_walk(p, elements, i0, i1, j0, j1, out)
+    if walk is not None:
+        return walk()
     acc_t = p.acc_dtype
     g, n, w = len(elements), i1 - i0, j1 - j0
     m = np.full((g, n), -np.inf, dtype=acc_t)
     l = np.zeros((g, n), dtype=acc_t)
-    walked = _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out)
-    if walked is not None:
-        o, finite = walked
-        lse = _lse(m, l, acc_t)
-    elif w > key_tile(n, *blocks(acc_t)):
+    if w > key_tile(n, *blocks(acc_t)):
         # keys past one tile and no compiled walk: each element as a task of its own runs it
         outs, lses = zip(*(_attend(p, b, i0, i1, j0, j1) for b in elements))
         return np.stack(outs), np.stack(lses)
@@ -274,6 +283,32 @@ def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
         with np.errstate(invalid="ignore"):
             finite = np.isfinite(o).all(axis=(1, 2))
         o, lse = _normalised(m, l, o, acc_t)
+    return _redone(p, elements, i0, i1, j0, j1, o, lse, finite)
+
+
+def stacked_walk(p, elements, i0, i1, j0, j1, out=None):
+    """:func:`attend_stacked` by the compiled walk, in two steps: its arguments made now,
+    the walk run by the function returned (``walk()`` gives ``(out, lse)``); None where the
+    compiled walk does not apply. A call of :func:`attention` makes every stack's
+    arguments before its threads start, while the interpreter's data are still in the
+    caches (the pool's thread then waits for no Python of its stack under the GIL)."""
+    acc_t = p.acc_dtype
+    m = np.full((len(elements), i1 - i0), -np.inf, dtype=acc_t)
+    l = np.zeros((len(elements), i1 - i0), dtype=acc_t)
+    run = _walk_call(p, elements, i0, i1, j0, j1, m, l, out)
+    if run is None:
+        return None
+
+    def walk():
+        o, finite = run()
+        return _redone(p, elements, i0, i1, j0, j1, o, _lse(m, l, acc_t), finite)
+
+    return walk
+
+
+def _redone(p, elements, i0, i1, j0, j1, o, lse, finite):
+    """``(o, lse)`` with each element whose output was not ``finite`` redone by
+    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], i0, i1, j0, j1)
     return o, lse
@@ -288,10 +323,20 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
     compiled walk: the logits of :func:`walk_score` (the plain score, ALiBi's term added in
     the walk) of a stack of whole elements (:func:`attend_stacked`) or of one query block
-    (:func:`_compiled_walk`).
+    (:func:`_compiled_walk`)."""
+    run = _walk_call(p, elements, i0, i1, j0, j1, m, l, out)
+    return None if run is None else run()
+
+
+def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
+    """:func:`_compiled_walks`' compiled call, made and not run: ``run`` (``run()`` runs it and
+    returns ``(o, finite)``), or None. What it makes is small (addresses, the band, the
+    slopes); the output (unless ``out``) and the score tile are allocated when it runs, so
+    that a call's stacks, made together, hold no more than the threads running them.
 
     The kernel reads each element's queries in place where CBLAS could (rows of the
-    accumulation dtype), else from one stacked copy in it, and scales them itself."""
+    accumulation dtype), else from one stacked copy in it (made when it runs), and scales
+    them itself."""
     acc_t = p.acc_dtype
     found = _stack_walk(p, elements[0])
     if found is None:
@@ -299,22 +344,30 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), i1 - i0, p.d
     first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
     index = batch_index(elements)
-    if p.q.flags.aligned and blas.reads_rows(first, acc_t):
-        qs, ldq = batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size
-    else:
-        copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
-        qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
-    o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
-    finite = np.empty(g, dtype=np.bool_)
+    in_place = p.q.flags.aligned and blas.reads_rows(first, acc_t)
+    queries = (batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
-    scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
-    stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t),
-          batch_addresses(p.k, index), p.k.strides[-2] // size,
-          batch_addresses(p.v, index), p.v.strides[-2] // size, m, l, o, finite, scores, j0,
-          j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t), blas.wide,
-          element_slopes(p, elements, index), i0 + p.diagonal_offset)
-    return o, finite
+    keys = (batch_addresses(p.k, index), p.k.strides[-2] // size)
+    values = (batch_addresses(p.v, index), p.v.strides[-2] // size)
+    slopes = element_slopes(p, elements, index)
+
+    def run():
+        copy = None
+        qs, ldq = queries
+        if not in_place:
+            copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
+            qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
+        o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
+        finite = np.empty(g, dtype=np.bool_)
+        scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
+        stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t), *keys, *values, m,
+              l, o, finite, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t),
+              blas.wide, slopes, i0 + p.diagonal_offset)
+        del copy                    # read through its addresses: held until the walk ran
+        return o, finite
+
+    return run
 
 
 def element_slopes(p, elements, index):
