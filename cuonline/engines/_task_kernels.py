@@ -22,7 +22,8 @@ the bit; ``tests/test_task_kernels.py`` compares them. Measured on a 2-core AMD 
 0.65-0.99 on two threads, the most for causal attention.
 
 They take the plain score only (the scale and the window band; ``kv_lengths`` shortens the
-key range before them) and operands whose rows CBLAS reads in place; the backward's also every
+key range before them), or it with ALiBi's term (:func:`_add_alibi`, after each tile's
+product), and operands whose rows CBLAS reads in place; the backward's also every
 operand finite and every row seeing a key, and it hands a tile whose P or dS is not finite
 back to the Python loop, which keeps NaN in the rows it belongs to. Every other case is the
 Python loop's.

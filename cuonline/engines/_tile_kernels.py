@@ -274,16 +274,16 @@ _POLY64 = (2.5000061372803405e-08, 2.7630244948447145e-07, 2.755758635658188e-06
            2.480149310774891e-05, 1.9841269506617828e-04, 1.3888888943622427e-03,
            8.333333333494435e-03, 4.166666666653018e-02, 1.6666666666666413e-01,
            5.000000000000011e-01, 1.0, 1.0)
-# float32: exp(-104) rounds to 0 (the smallest subnormal is exp(-103.28)); ln2_hi has 9
-# significant bits so n * ln2_hi is exact for |n| <= 150. The weight's floor: exp(-87.3) is
-# 1.037 2^-126, a normal number however the last step rounds
-_EXP32 = _exp_impl(np.float32, -104.0, -87.3, 0.693359375, -2.12194440e-4, _POLY32, 127, 23)
-# float64: exp(-746) rounds to 0, and exp(-708.3) is 1.10 2^-1022; fdlibm's split of ln2
-# (ln2_hi's low 32 bits are zero)
-_EXP64 = _exp_impl(np.float64, -746.0, -708.3, 6.93147180369123816490e-01,
-                   1.90821492927058770002e-10, _POLY64, 1023, 52)
-# the arguments below which exp_weight gives 0, by dtype
+# The arguments below which exp_weight gives 0, by dtype: exp(-87.3) is 1.037 2^-126 and
+# exp(-708.3) 1.10 2^-1022, normal numbers however the last step rounds
 WEIGHT_FLOOR = {np.dtype(np.float32): -87.3, np.dtype(np.float64): -708.3}
+# float32: exp(-104) rounds to 0 (the smallest subnormal is exp(-103.28)); ln2_hi has 9
+# significant bits so n * ln2_hi is exact for |n| <= 150
+_EXP32 = _exp_impl(np.float32, -104.0, WEIGHT_FLOOR[np.dtype(np.float32)], 0.693359375,
+                   -2.12194440e-4, _POLY32, 127, 23)
+# float64: exp(-746) rounds to 0; fdlibm's split of ln2 (ln2_hi's low 32 bits are zero)
+_EXP64 = _exp_impl(np.float64, -746.0, WEIGHT_FLOOR[np.dtype(np.float64)],
+                   6.93147180369123816490e-01, 1.90821492927058770002e-10, _POLY64, 1023, 52)
 
 
 @overload(exp_nonpositive, jit_options={"fastmath": FASTMATH})
