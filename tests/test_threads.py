@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -304,3 +305,10 @@ def test_element_runs_read_as_the_lists_of_their_elements(shape):
         np.testing.assert_array_equal(
             batch_addresses(x, run),
             [x[tuple(0 if one else i for i, one in zip(e, lead))].ctypes.data for e in want])
+        # the run as one slice: a view of a C-ordered array, None where the axes do not merge
+        y = np.arange(math.prod(shape) * 6.0).reshape(shape + (2, 3))
+        view = run.view(y)
+        assert np.shares_memory(view, y) or not len(want)
+        np.testing.assert_array_equal(view, [y[e] for e in want] or np.empty((0, 2, 3)))
+        if shape == (2, 3, 4) and len(want):     # heads before batch in memory
+            assert run.view(y.transpose(1, 0, 2, 3, 4).copy().transpose(1, 0, 2, 3, 4)) is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -98,6 +99,22 @@ class ElementRun(Sequence):
 
     def __repr__(self):
         return f"ElementRun({self.shape}, {self.start}, {self.stop})"
+
+    def view(self, x, tail=2):
+        """The elements of ``x`` (batch axes ``shape``, or broadcast to it, then ``tail``
+        more) as one slice, a view of shape ``(len(self),) + x.shape[-tail:]`` (writeable
+        where ``x`` is and needs no broadcast); None where the batch axes do not merge into
+        one without a copy."""
+        lead = len(self.shape)
+        if x.shape[:x.ndim - tail] != self.shape:
+            x = np.broadcast_to(x, self.shape + x.shape[x.ndim - tail:])
+        axes = [(n, step) for n, step in zip(x.shape[:lead], x.strides[:lead]) if n != 1]
+        if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
+            return None
+        merged = np.lib.stride_tricks.as_strided(
+            x, (math.prod(self.shape),) + x.shape[lead:],
+            ((axes[-1][1] if axes else 0),) + x.strides[lead:], writeable=x.flags.writeable)
+        return merged[self.start:self.stop]
 
     def indices(self):
         """The elements' indices, an int64 array of shape ``(len(self), len(shape))``."""

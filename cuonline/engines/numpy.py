@@ -94,9 +94,8 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
             # whole elements in the accumulation dtype: the walk writes into the result
             target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
                       else None)
-            walk = stacked_walk(p, elements, i0, i1, j0, j1, target)
-            if walk is None:
-                walk = lambda: attend_stacked(p, elements, i0, i1, j0, j1, target)  # noqa: E731
+            walk = (stacked_walk(p, elements, i0, i1, j0, j1, target)
+                    or (lambda: _stacked_products(p, elements, i0, i1, j0, j1)))
 
             def run():
                 o, flat_lse[rows, i0:i1] = walk()
@@ -259,8 +258,11 @@ def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     :func:`_attend` per element. An element whose output is not finite is redone by
     :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
     walk = stacked_walk(p, elements, i0, i1, j0, j1, out)
-    if walk is not None:
-        return walk()
+    return walk() if walk is not None else _stacked_products(p, elements, i0, i1, j0, j1)
+
+
+def _stacked_products(p, elements, i0, i1, j0, j1):
+    """:func:`attend_stacked` where the compiled walk does not apply."""
     acc_t = p.acc_dtype
     g, n, w = len(elements), i1 - i0, j1 - j0
     m = np.full((g, n), -np.inf, dtype=acc_t)
@@ -345,7 +347,8 @@ def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
     first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
     index = batch_index(elements)
     in_place = p.q.flags.aligned and blas.reads_rows(first, acc_t)
-    queries = (batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size)
+    if in_place:
+        queries = (batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
     keys = (batch_addresses(p.k, index), p.k.strides[-2] // size)
@@ -353,9 +356,9 @@ def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
     slopes = element_slopes(p, elements, index)
 
     def run():
-        copy = None
-        qs, ldq = queries
-        if not in_place:
+        if in_place:
+            qs, ldq = queries
+        else:                       # read through its addresses: `copy` lives until the end
             copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
             qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
         o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
@@ -364,7 +367,6 @@ def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
         stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t), *keys, *values, m,
               l, o, finite, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t),
               blas.wide, slopes, i0 + p.diagonal_offset)
-        del copy                    # read through its addresses: held until the walk ran
         return o, finite
 
     return run
@@ -375,8 +377,9 @@ def element_slopes(p, elements, index):
     dtype; empty without the term."""
     if p.alibi_slopes is None:
         return np.empty(0, dtype=p.acc_dtype)
-    if isinstance(elements, ElementRun):
-        return p.alibi_slopes.reshape(-1)[elements.start:elements.stop]
+    view = elements.view(p.alibi_slopes, 0) if isinstance(elements, ElementRun) else None
+    if view is not None:
+        return view
     return p.alibi_slopes[tuple(index.T)].reshape(len(elements))   # () batch: one slope
 
 

@@ -486,11 +486,8 @@ def _compiled_stack(bp, elements, buffers, sums):
     index = tuple(at.T)
 
     def gathered(x):                       # (G, ...): a view where a run's batch axes merge
-        if isinstance(elements, ElementRun):
-            flat = _merged_batch(np.broadcast_to(x, p.batch_shape + x.shape[-2:]))
-            if flat is not None:
-                return flat[elements.start:elements.stop]
-        return x[index]
+        view = elements.view(x) if isinstance(elements, ElementRun) else None
+        return x[index] if view is None else view
 
     def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
         return np.ascontiguousarray(gathered(x), dtype=acc)
@@ -530,25 +527,13 @@ def _compiled_stack(bp, elements, buffers, sums):
                        element_slopes(p, elements, at), p.diagonal_offset)
     # the rows' sums of the elements done and of the tiles done of the next one
     added = done + (skip > 0)
-    flat = _merged_batch(sums.sums, 1) if isinstance(elements, ElementRun) else None
-    if flat is not None:
-        flat[elements.start:elements.start + added] += row_sums[:added]
+    run = elements.view(sums.sums, 1) if isinstance(elements, ElementRun) else None
+    if run is not None:
+        run[:added] += row_sums[:added]
     else:
         for g, b in enumerate(elements[:added]):
             sums.sums[b] += row_sums[g]
     return done, skip
-
-
-def _merged_batch(x, tail=2):
-    """``x`` (batch axes, then ``tail`` more) as a view with one batch axis, in C order, or
-    None where its batch axes do not merge into one (a copy would be needed)."""
-    lead = x.ndim - tail
-    axes = [(n, step) for n, step in zip(x.shape[:lead], x.strides[:lead]) if n != 1]
-    if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
-        return None
-    return np.lib.stride_tricks.as_strided(
-        x, (math.prod(x.shape[:lead]),) + x.shape[lead:],
-        (axes[-1][1] if axes else 0,) + x.strides[lead:], writeable=x.flags.writeable)
 
 
 class _Visibility:
