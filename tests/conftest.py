@@ -24,6 +24,16 @@ def rng():
     return np.random.default_rng(20261129)
 
 
+@pytest.fixture(autouse=True)
+def plans_cut_for_every_core(monkeypatch):
+    """The NumPy engine's calls are planned as large ones are, a stack per core, however
+    little their work: the tests' small inputs then take the paths they were written for
+    (tests/test_short_sequences.py tests the rule for small calls itself)."""
+    from cuonline.engines import cpu_runtime
+
+    monkeypatch.setattr(cpu_runtime, "PARALLEL_WORK", 0)
+
+
 @pytest.fixture(params=engine_params())
 def engine(request):
     return Engine(request.param)

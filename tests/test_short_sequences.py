@@ -14,6 +14,7 @@ from support import check_attention
 import cuonline
 from cuonline import _validate
 from cuonline.engines import numpy as numpy_engine
+from cuonline.engines import cpu_runtime
 from cuonline.engines.cpu_runtime import ElementRun
 from cuonline.engines.numpy_scores import SLICE_BYTES
 
@@ -25,10 +26,13 @@ OPTIONS = [{}, {"causal": True}, {"window": (20, 3)}, {"causal": True, "q_offset
 @pytest.fixture(autouse=True)
 def machine(monkeypatch):
     """The stacks depend on the tile shape and the core count: fixed here (512 x 512 tiles,
-    2 cores) so that every machine plans these cases alike."""
+    2 cores, every call cut for them however little its work) so that every machine plans
+    these cases alike."""
     monkeypatch.setattr(numpy_engine, "BLOCK_Q", 512)
     monkeypatch.setattr(numpy_engine, "BLOCK_K", 512)
     monkeypatch.setattr(numpy_engine, "workers", lambda: 2)
+    monkeypatch.setattr(cpu_runtime, "workers", lambda: 2)
+    monkeypatch.setattr(cpu_runtime, "PARALLEL_WORK", 0)
 
 
 def data(rng, batch, lq, lk, d, dtype=np.float32):
@@ -122,12 +126,36 @@ def test_without_the_compiled_walk_a_stack_never_outgrows_one_score_tile(rng, mo
     check_attention(q, k, v, out, None, {})
 
 
+# (ALiBi's term is the compiled walk's: its stacks are tested in tests/test_task_kernels.py)
 @pytest.mark.parametrize("options", [{"bias": np.zeros((8, 8))}, {"softcap": 5.0},
-                                     {"kv_lengths": np.array([3, 8])},
-                                     {"alibi_slopes": np.array([0.5, 0.25])}], ids=str)
+                                     {"kv_lengths": np.array([3, 8])}], ids=str)
 def test_score_terms_take_the_general_path(rng, options):
     q, k, v = data(rng, (2,), 8, 8, 4)
     assert numpy_engine.stack_plan(_validate.validate_attention(q, k, v, **options)) is None
+
+
+def test_a_call_of_little_work_runs_as_one_stack(rng, monkeypatch, backward_machine):
+    """Below PARALLEL_WORK multiply-adds a call's elements are one stack, run in the calling
+    thread (a pool thread's hand-off costs more than it saves); at it, a stack per core, the
+    forward's and the backward's alike; the same results either way."""
+    q, k, v = data(rng, (4, 3), 16, 16, 8)
+    p = _validate.validate_attention(q, k, v)
+    work = 12 * 16 * 16 * (8 + 8)                       # the forward's multiply-adds
+    out, lse = cuonline.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = cuonline.attention_backward(dout, q, k, v, out, lse)
+    for limit, stacks in ((work + 1, 1), (work, 2)):
+        monkeypatch.setattr(cpu_runtime, "PARALLEL_WORK", limit)
+        assert len(numpy_engine.stack_plan(p)) == stacks
+        np.testing.assert_array_equal(cuonline.attention(q, k, v), out)
+    backward_work = 12 * 16 * 16 * (2 * 8 + 3 * 8)
+    for limit, stacks in ((backward_work + 1, 1), (backward_work, 2)):
+        monkeypatch.setattr(cpu_runtime, "PARALLEL_WORK", limit)
+        tasks = backward_plan(backward_machine, q, k, v)
+        assert [part for _, part, _, _ in tasks] == ["stack"] * stacks
+        again = cuonline.attention_backward(dout, q, k, v, out, lse)
+        for name in ("dq", "dk", "dv"):
+            np.testing.assert_array_equal(getattr(again, name), getattr(grads, name))
 
 
 def test_long_or_single_sequences_take_the_general_path(rng, monkeypatch):

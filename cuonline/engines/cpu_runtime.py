@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["workers", "stacks_of", "ElementRun", "run_tasks", "tile_kernel", "use_compiled_kernels",
-           "compiled_kernels", "cache_sizes", "score_tile", "machine", "blas_libraries",
-           "single_threaded_blas", "cpu_model"]
+__all__ = ["workers", "cores_for", "stacks_of", "ElementRun", "run_tasks", "tile_kernel",
+           "use_compiled_kernels", "compiled_kernels", "cache_sizes", "score_tile", "machine",
+           "blas_libraries", "single_threaded_blas", "cpu_model"]
 
 
 def workers() -> int:
@@ -41,6 +41,21 @@ def workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - macOS, Windows
         return max(1, os.cpu_count() or 1)
+
+
+# A call of fewer multiply-adds than this runs its stacks as one, in the calling thread: waking
+# a pool thread and handing it a stack cost 0.1-0.25 ms on machine C's 2-core virtual machine,
+# about the time of 2-4 million of a stack's multiply-adds on one core (16-query elements, at
+# 2.4 us per 16 x 16 x 128). 64 heads of 16 queries (2 million) took 0.68 ms on two threads,
+# XXX on one.
+PARALLEL_WORK = 1 << 23
+
+
+def cores_for(work):
+    """The cores a call of ``work`` multiply-adds is cut for (:func:`stacks_of`): all of them
+    (:func:`workers`), or 1 below ``PARALLEL_WORK``. A count of the problem, never of a call's
+    ``workers``: a plan, and so the results, do not depend on ``workers``."""
+    return 1 if work < PARALLEL_WORK else workers()
 
 
 def stacks_of(count, most, cores):

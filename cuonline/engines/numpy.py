@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _options, _semantics
 from .cpu_blas import batch_addresses, batch_index, compiled_task, product
-from .cpu_runtime import (ElementRun, cache_sizes, run_tasks, score_tile, stacks_of,
+from .cpu_runtime import (ElementRun, cache_sizes, cores_for, run_tasks, score_tile, stacks_of,
                           tile_kernel, workers)
 from .merge import merge_states
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
@@ -189,7 +189,8 @@ def stack_plan(p):
     if found is None:
         return None
     most, spans = found
-    runs = stacks_of(p.nbatch, most, workers())
+    work = p.nbatch * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in spans) * (p.d + p.dv)
+    runs = stacks_of(p.nbatch, most, cores_for(work))
     if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
     return [(ElementRun(p.batch_shape, a, z), i0, i1, j0, j1) for i0, i1, j0, j1 in spans

@@ -38,7 +38,7 @@ import numpy as np
 from .. import _lse_check, _semantics
 from .._gradients import Gradients, gradients_of
 from .cpu_blas import batch_addresses, batch_index, compiled_task, product
-from .cpu_runtime import (ElementRun, cache_sizes, run_tasks, score_tile, stacks_of,
+from .cpu_runtime import (ElementRun, cache_sizes, cores_for, run_tasks, score_tile, stacks_of,
                           tile_kernel, workers)
 from .numpy import element_slopes, walk_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
@@ -178,7 +178,8 @@ def _stacks(p, groups):
     most = stack_limit(p) if p.nbatch >= 2 else 0
     if most < 2:
         return None
-    runs = stacks_of(p.nbatch, most, workers())
+    # the products of a tile: 2 D + 3 Dv multiply-adds a score place
+    runs = stacks_of(p.nbatch, most, cores_for(p.nbatch * p.lq * p.lk * (2 * p.d + 3 * p.dv)))
     if p.nbatch < 2 * len(runs):
         return None
     if len(groups) == p.nbatch:
