@@ -260,6 +260,9 @@ def _groups(batch_shape, targets):
     elements = list(np.ndindex(*batch_shape))
     if len(elements) < 2:
         return [elements] if elements else []
+    if all(t.padded(len(batch_shape))[:len(batch_shape)] == tuple(batch_shape)
+           for t in targets.values()):
+        return [[b] for b in elements]      # a slot of every gradient per element
     index = np.indices(batch_shape, dtype=np.intp).reshape(len(batch_shape), len(elements))
     slots = []                  # per input, the flat slot each element adds into
     for t in targets.values():
