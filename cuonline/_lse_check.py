@@ -13,7 +13,7 @@ logits hold products of ``t`` terms (``t = D``, plus ``Dr`` with ``rel_q``/``rel
 float64 for float64)::
 
     tol = eps * (n + (t + 4) * (|lse| + R + log(n + 1) + 1))
-    R   = scale * |q_i| * max_j |k_j|  +  |rel_q_i| * max_r |rel_k_r|      (2-norms)
+    R   = |scale| * |q_i| * max_j |k_j|  +  |rel_q_i| * max_r |rel_k_r|    (2-norms)
 
 * ``n * eps``: the sums of ``n`` positive terms, the forward's ``l`` and the backward's ``S``,
   each within ``(n - 1) eps / 2`` relative in any order, each term's ``exp`` within an ulp;
@@ -126,7 +126,7 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None):
     keys = row_norms(xp, k)
     if kv_lengths is not None:
         keys = xp.where(xp.arange(keys.shape[-1]) < xp.asarray(kv_lengths)[..., None], keys, 0)
-    bound = float(scale) * row_norms(xp, q) * largest(keys)[..., None]
+    bound = abs(float(scale)) * row_norms(xp, q) * largest(keys)[..., None]  # any sign
     if rel_q is not None:
         bound = bound + row_norms(xp, rel_q) * largest(row_norms(xp, rel_k))[..., None]
     return bound

@@ -506,10 +506,12 @@ def _cancelling(dtype, sigma, seed=24):
 
 
 @pytest.mark.parametrize("case", ["cancelling f32", "cancelling f16", "large f32",
-                                  "large bf16", "softcap", "every option", "extreme bias"])
+                                  "large bf16", "softcap", "every option", "extreme bias",
+                                  "negative scale"])
 def test_the_lse_check_never_fires_on_genuine_inputs(case):
     """Large logits, products cancelled by a bias (another tile shape in the backward rounds
-    them another way), 16-bit inputs, every option, logits near float32's range."""
+    them another way), 16-bit inputs, every option, logits near float32's range, a negative
+    scale (whose products bound the rounding by its magnitude)."""
     rng = np.random.default_rng(25)
     o = {}
     if case.startswith("cancelling"):
@@ -529,9 +531,12 @@ def test_the_lse_check_never_fires_on_genuine_inputs(case):
         q, k, v, _, o = make(26, ("softcap", "rel_qk", "rel_bias", "block_bias", "offsets",
                                   "window", "alibi"), lq=70, lk=600, dtype=np.float32)
         q, k, v = (x.astype(np.float32) * 6 for x in (q, k, v))
-    else:
+    elif case == "extreme bias":
         q, k, v = (rng.standard_normal((1, 30, 16)).astype(np.float32) for _ in range(3))
         o["bias"] = np.full((30, 30), 3e38, np.float32) * np.sign(rng.standard_normal((30, 30)))
+    else:
+        q, k, v = ((rng.standard_normal((2, 64, 16)) * 10).astype(np.float32) for _ in range(3))
+        o["scale"] = -0.5
     out, lse = cuonline.attention(q, k, v, return_lse=True, **o)
     dout = np.ones_like(out)
     with warnings.catch_warnings():
