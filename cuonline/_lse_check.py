@@ -152,8 +152,11 @@ def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, product
         Keys each row's sum ran over (``Lk``, or ``kv_lengths``).
     logit_terms : int
         See :func:`row_sum_tolerance`.
-    products : float or array broadcast against ``lse``
-        ``R`` of each row (:func:`product_bound`).
+    products : float, array broadcast against ``lse``, or a function returning one
+        ``R`` of each row (:func:`product_bound`). A function is called only where a row
+        falls outside the bound of ``R = 0``: the bound grows with ``R`` (``R >= 0``), so a
+        row within it is within any, and a genuine ``lse`` is (no pass over ``q`` and ``k``
+        for their norms).
     sees_keys : bool array of the shape of ``lse``, optional
         Whether each row has a logit that is not ``-inf``. Read only where ``lse = -inf``
         (an engine may fill it for those rows alone); None: not checked there.
@@ -173,7 +176,8 @@ def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, product
     row_sums = xp.asarray(row_sums, dtype=xp.float64)
     if row_sums.size == 0:
         return
-    tol = row_sum_tolerance(xp, acc_dtype, n_keys, lse, logit_terms, products)
+    lazy = callable(products)
+    tol = row_sum_tolerance(xp, acc_dtype, n_keys, lse, logit_terms, 0.0 if lazy else products)
     dead = lse == -xp.inf
     # a sum of 0 counts as the smallest positive number of the dtype: allowed only where the
     # bound spans the whole exponent range (an lse that rounds the row's maximum away). Its
@@ -185,8 +189,9 @@ def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, product
     log_sum = xp.where(positive, xp.log(xp.where(positive, row_sums, 1.0)), log_tiny)
     if all_keys is None:
         all_keys = not keys_are_partial()
-    off = xp.where(dead | xp.isnan(row_sums), 0.0,
-                   (xp.abs(log_sum) if all_keys else log_sum) - tol)
+    judged = (xp.abs(log_sum) if all_keys else log_sum)
+    unjudged = dead | xp.isnan(row_sums)
+    off = xp.where(unjudged, 0.0, judged - tol)
     if sees_keys is not None:
         wrongly_dead = dead & xp.asarray(sees_keys, dtype=bool)
         if bool(wrongly_dead.any()):
@@ -196,6 +201,11 @@ def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, product
                 f"is -inf at row {row}, which sees keys (a row of -inf lse sees none); "
                 f"expected each row's sum of exp(s - lse) to be 1 there, got 0")
     worst = int(off.argmax())
+    if lazy and float(off.reshape(-1)[worst]) > 0:
+        # a row past the bound of R = 0: judged again by the bound of its own R
+        tol = row_sum_tolerance(xp, acc_dtype, n_keys, lse, logit_terms, products())
+        off = xp.where(unjudged, 0.0, judged - tol)
+        worst = int(off.argmax())
     if float(off.reshape(-1)[worst]) > 0:
         row = _index(xp, worst, lse.shape)
         got = float(row_sums.reshape(-1)[worst])

@@ -590,6 +590,43 @@ def test_the_row_sum_rule_itself():
     r = _lse_check.product_bound(np, q, k, 0.5, kv_lengths=np.array([2]))
     np.testing.assert_allclose(r, [[0.5 * 5 * 2, 0.5 * 1 * 2]])
     np.testing.assert_allclose(_lse_check.product_bound(np, q, k, 0.5), r)   # NaN row left out
+    np.testing.assert_array_equal(_lse_check.product_bound(np, q, k, -0.5), r)  # |scale|
+    # R given as a function: called only for a row past the bound of R = 0
+    calls = []
+
+    def products(value):
+        return lambda: calls.append(value) or np.array([value])
+
+    big = float(_lse_check.row_sum_tolerance(np, np.float32, 100, np.float32(2.0), 8, 50.0))
+    check([np.exp(tol / 2)], [2.0], products=products(50.0))
+    assert calls == []
+    check([np.exp((tol + big) / 2)], [2.0], products=products(50.0))
+    assert calls == [50.0]
+    with pytest.raises(ValueError, match=r"row \(0,\) sums to"):
+        check([np.exp(2 * big)], [2.0], products=products(50.0))
+
+
+@pytest.mark.parametrize("scale", [0.5, -0.5])
+def test_an_lse_within_the_bound_of_its_products_is_accepted(scale):
+    """An lse off by more than the bound without the products' term R, less than the one
+    with it, is accepted, under either sign of the scale (R takes its magnitude); past that,
+    refused."""
+    from cuonline import _lse_check
+
+    rng = np.random.default_rng(31)
+    q, k, v = ((rng.standard_normal((2, 40, 64)) * 10).astype(np.float32) for _ in range(3))
+    out, lse = cuonline.attention(q, k, v, scale=scale, return_lse=True)
+    wide = lse.astype(np.float64)
+    tol0 = _lse_check.row_sum_tolerance(np, np.float32, 40, wide, 64)
+    tol = _lse_check.row_sum_tolerance(np, np.float32, 40, wide, 64,
+                                       _lse_check.product_bound(np, q, k, abs(scale)))
+    assert (tol > 1.5 * tol0).all()
+    dout = np.ones_like(out)
+    cuonline.attention_backward(dout, q, k, v, out, (wide + (tol0 + tol) / 2).astype(np.float32),
+                                scale=scale)
+    with pytest.raises(ValueError, match="`lse`"):
+        cuonline.attention_backward(dout, q, k, v, out, (wide + 2 * tol).astype(np.float32),
+                                    scale=scale)
 
 
 def test_the_product_bound_of_float32_inputs_is_an_upper_bound(rng):

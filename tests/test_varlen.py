@@ -108,6 +108,22 @@ def test_no_queries_and_no_keys(rng):
     assert not g.dq.any() and g.dk.shape == (0, 4)
 
 
+def test_a_negative_scale_keeps_the_lse_check_genuine():
+    """The lse check's rounding bound takes the scale's magnitude: under a negative scale and
+    logits of tens (float32), the forward's own lse is accepted and the gradients match."""
+    rng, q, k, v, cq, ck = case(9, dtype=np.float32)
+    q, k = q * 10, k * 10
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, scale=-0.5,
+                                  return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                    scale=-0.5)
+    ref = reference_varlen_attention_backward(dout, q, k, v, cq, ck, scale=-0.5)
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(g, field), ref[field], rtol=2e-3, atol=2e-3,
+                                   err_msg=field)
+
+
 def test_vjp_and_lists_of_boundaries(rng):
     """attention_vjp takes the keywords; boundaries as lists, int32 or uint16 arrays."""
     _, q, k, v, cq, ck = case(3)

@@ -286,11 +286,12 @@ def _check_lse(p, row_sums, lse):
     dead = lse == -np.inf
     lengths = p.kv_lengths
     rel = _has_rel_qk(p)
-    products = _lse_check.product_bound(xp, p.q, p.k, p.scale, kv_lengths=lengths,
-                                        rel_q=p.rel_q if rel else None,
-                                        rel_k=p.rel_k if rel else None)
-    if p.precision == "tf32":
-        products = products * _TF32_PRODUCTS
+    def products():                     # only where a row is past the bound of R = 0
+        bound = _lse_check.product_bound(xp, p.q, p.k, p.scale, kv_lengths=lengths,
+                                         rel_q=p.rel_q if rel else None,
+                                         rel_k=p.rel_k if rel else None)
+        return bound * _TF32_PRODUCTS if p.precision == "tf32" else bound
+
     _lse_check.check_row_sums(
         xp, xp.where(dead, 0, row_sums), lse, acc_dtype=p.acc_dtype,
         n_keys=p.lk if lengths is None else xp.asarray(lengths)[..., None],

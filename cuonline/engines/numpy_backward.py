@@ -363,8 +363,10 @@ class RowSums:
         lengths = None if p.kv_lengths is None else np.asarray(p.kv_lengths)
         n_keys = p.lk if lengths is None else lengths[..., None]
         terms = p.q.shape[-1] + (0 if p.rel_q is None else p.rel_q.shape[-1])
-        products = _lse_check.product_bound(np, p.q, p.k, p.scale, kv_lengths=lengths,
+        def products():                 # only where a row is past the bound of R = 0
+            return _lse_check.product_bound(np, p.q, p.k, p.scale, kv_lengths=lengths,
                                             rel_q=p.rel_q, rel_k=p.rel_k)
+
         _lse_check.check_row_sums(np, self.sums, np.broadcast_to(bp.lse, self.sums.shape),
                                   acc_dtype=p.acc_dtype, n_keys=n_keys, logit_terms=terms,
                                   products=products, sees_keys=self.sees)
