@@ -108,20 +108,37 @@ def test_no_queries_and_no_keys(rng):
     assert not g.dq.any() and g.dk.shape == (0, 4)
 
 
-def test_a_negative_scale_keeps_the_lse_check_genuine():
-    """The lse check's rounding bound takes the scale's magnitude: under a negative scale and
-    logits of tens (float32), the forward's own lse is accepted and the gradients match."""
-    rng, q, k, v, cq, ck = case(9, dtype=np.float32)
+@pytest.mark.parametrize("scale", [0.5, -0.5])
+def test_an_lse_within_the_bound_of_its_products_is_accepted(scale):
+    """The packed lse check's products' term R (each row's norm times its own sequence's
+    largest key norm) takes the scale's magnitude: an lse off by more than the bound
+    without R, less than the one with it, is accepted under either sign; past it, refused."""
+    from cuonline import _lse_check
+
+    _, q, k, v, cq, ck = case(9, d=64, dtype=np.float32)
     q, k = q * 10, k * 10
-    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, scale=-0.5,
+    out, lse = cuonline.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, scale=scale,
                                   return_lse=True)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
-    g = cuonline.attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                                    scale=-0.5)
-    ref = reference_varlen_attention_backward(dout, q, k, v, cq, ck, scale=-0.5)
-    for field in ("dq", "dk", "dv"):
-        np.testing.assert_allclose(getattr(g, field), ref[field], rtol=2e-3, atol=2e-3,
-                                   err_msg=field)
+    n_keys = np.repeat(np.diff(ck), np.diff(cq))
+    largest = [np.linalg.norm(k[:, a:z], axis=-1).max(axis=-1, initial=0.0)
+               for a, z in zip(ck[:-1], ck[1:])]
+    r = abs(scale) * np.linalg.norm(q, axis=-1) * np.repeat(np.stack(largest, -1), np.diff(cq),
+                                                              axis=-1)
+    seen = np.isfinite(lse)
+    wide = np.where(seen, lse, 0).astype(np.float64)
+    tol0 = _lse_check.row_sum_tolerance(np, np.float32, n_keys, wide, 64)
+    tol = _lse_check.row_sum_tolerance(np, np.float32, n_keys, wide, 64, r)
+    assert (tol[seen] > 1.5 * tol0[seen]).all()
+    dout = np.ones_like(out)
+
+    def backward(shift):
+        return cuonline.attention_backward(
+            dout, q, k, v, out, np.where(seen, wide + shift, -np.inf).astype(np.float32),
+            cu_seqlens_q=cq, cu_seqlens_k=ck, scale=scale)
+
+    backward((tol0 + tol) / 2)
+    with pytest.raises(ValueError, match="`lse`"):
+        backward(2 * tol)
 
 
 def test_vjp_and_lists_of_boundaries(rng):
