@@ -49,7 +49,7 @@ from numba.extending import intrinsic, overload
 from . import _tile_kernels, cblas
 from ._tile_kernels import (backward_tile, clip, compiled, flush_subnormals,
                             full_vector_width, normalise_rows, restore_subnormals,
-                            softmax_tile_into)
+                            online_softmax_tile)
 from .cblas import ROW_MAJOR, layout_of
 
 _layout = numba.njit(layout_of)
@@ -206,20 +206,17 @@ def _add_alibi(tile, band, slope, key0, diag0, lo, hi):
 
 @numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
 def _walk_scratch(n, span_rows, band, like):
-    """The scratch of :func:`_walk` for ``n`` query rows, ``(lo, hi, c0s, c1s, band, top)``:
+    """The scratch of :func:`_walk` for ``n`` query rows, ``(lo, hi, c0s, c1s, band)``:
     ``band`` elements for ALiBi's terms (0 without them), floats of ``like``'s dtype."""
     lo = np.empty(n, dtype=np.int64)
     hi = np.empty(n, dtype=np.int64)
     c0s = np.empty(n // span_rows + 1, dtype=np.int64)
     c1s = np.empty(n // span_rows + 1, dtype=np.int64)
-    return (lo, hi, c0s, c1s, np.empty(band, dtype=like.dtype),
-            np.empty(n, dtype=like.dtype))
+    return lo, hi, c0s, c1s, np.empty(band, dtype=like.dtype)
 
 
-@numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
-def _walk(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm,
-          wide, alibi, slope, diag0, lo, hi, c0s, c1s, band, top):
-    """:func:`forward_task` with its scratch (:func:`_walk_scratch`)."""
+def _walk_impl(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0, span_rows,
+               gemm, wide, alibi, slope, diag0, lo, hi, c0s, c1s, band):
     full_vector_width()              # the tile kernel keeps its width, should LLVM inline it
     n, dv = o.shape
     if n == 0 or j_hi <= j_lo:
@@ -244,13 +241,21 @@ def _walk(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0, sp
         tile = s[:n * w].reshape((n, w))        # C-ordered, as the tile kernel is compiled
         if alibi:
             _add_alibi(tile, band, slope, js, diag0, lo, hi)
-        softmax_tile_into(tile, m, l, o, lo, hi, top)
+        online_softmax_tile(tile, m, l, o, lo, hi)
         for g in range((n + rows - 1) // rows):
             r0, r1, c0, c1 = g * rows, min((g + 1) * rows, n), c0s[g], c1s[g]
             if c1 > c0:
                 _product(gemm, wide, r1 - r0, dv, c1 - c0, sa + (r0 * w + c0) * size,
                          w * size, size, v + (js + c0) * ldv * size, ldv * size, size, one,
                          oa + r0 * o.strides[0], o.strides[0], size)
+
+
+# cached as the kernels are, and the tile kernel called as a kernel of its own (not split
+# into an uncached helper with its scratch passed in: the processes that compiled such a
+# version and those that loaded it from the cache summed the rows' weights in different
+# orders, 1-ulp differences between a Dask worker's chunks and its client's)
+_walk = compiled(_walk_impl)
+_walk.__doc__ = """:func:`forward_task` with its scratch (:func:`_walk_scratch`)."""
 
 
 def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
@@ -301,7 +306,7 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
     scratch = _walk_scratch(n, span_rows, n + width - 1 if alibi else 0, s)
     lo, hi, c0s, c1s = (unowned(scratch[0]), unowned(scratch[1]), unowned(scratch[2]),
                         unowned(scratch[3]))
-    band, top = unowned(scratch[4]), unowned(scratch[5])
+    band = unowned(scratch[4])
     m, l, o, s, queries = unowned(m), unowned(l), unowned(o), unowned(s), unowned(queries)
     lo0, hi0 = unowned(lo0), unowned(hi0)
     old = flush_subnormals()         # the products of tiny weights run without assists
@@ -316,7 +321,7 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
         slope = slopes[g] if alibi else zero
         _walk(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g], o[g], s,
               j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi, slope, diag0, lo, hi,
-              c0s, c1s, band, top)
+              c0s, c1s, band)
         finite[g] = normalise_rows(l[g], o[g])
     restore_subnormals(old)
     _keep_alive(scratch)
@@ -362,7 +367,7 @@ The other parameters are :func:`forward_task`'s, shared by the elements (one win
 @numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
 def _tiles_scratch(tiles, span_rows, alibi, like):
     """The scratch of :func:`_backward_tiles` for ``tiles``: :func:`_walk_scratch`'s for their
-    most rows (``top`` unused), ALiBi's band as wide as their widest tile needs."""
+    most rows, ALiBi's band as wide as their widest tile needs."""
     most, widest = 1, 1
     for t in range(tiles.shape[0]):
         most = max(most, tiles[t, 1] - tiles[t, 0])
@@ -439,7 +444,7 @@ def _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk,
 def _backward_block(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk, dvv,
                     lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums, span_rows, kv_part,
                     q_part, gemm, wide, alibi, slope, diag0):
-    lo, hi, c0s, c1s, band, _ = _tiles_scratch(tiles, span_rows, alibi, s)
+    lo, hi, c0s, c1s, band = _tiles_scratch(tiles, span_rows, alibi, s)
     old = flush_subnormals()
     # under flush-to-zero: the products of tiny weights and gradients run without assists
     done = _backward_tiles(tiles, q, ldq, do, ldo, k, ldk, v, ldv, d, dv, dq, lddq, dk, lddk,
@@ -574,7 +579,7 @@ def _stamped_with(kernels, modules):
             cache_file._source_stamp = (stamp, digest.hexdigest())
 
 
-_stamped_with((forward_task, forward_stack, backward_block, backward_stack),
+_stamped_with((_walk, forward_task, forward_stack, backward_block, backward_stack),
               (_tile_kernels, cblas))
 
 
