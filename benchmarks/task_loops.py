@@ -11,7 +11,7 @@
 
 For the plain score the forward walks query blocks' key tiles in compiled calls
 (``cuonline/engines/_task_kernels.py``: ``forward_stack``, a stack of blocks, each its
-``forward_task``) and the backward does a key block's query tiles in one (``backward_block``),
+``forward_walk``) and the backward does a key block's query tiles in one (``backward_block``),
 BLAS called from compiled code; every other call runs the engine's Python loop over the same
 tiles, with the same products and the same bits. This script runs each case both ways,
 alternating the two within the process (the compiled form switched off through the engine's

@@ -338,7 +338,7 @@ def test_normalise_rows_divides_as_the_engine_normalises(dtype, rng):
 
 
 _CACHE_USE = ("import json, numpy as np; from cuonline.engines import _task_kernels as t; "
-              "t.compile_for('forward_task', np.float32); s = t.forward_task.stats; "
+              "t.compile_for('forward_stack', np.float32); s = t.forward_stack.stats; "
               "print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))")
 
 
@@ -693,8 +693,8 @@ import numpy as np
 from cuonline.engines import cpu_runtime
 counts = {}
 for dtype in (np.float32, np.float64):
-    for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows', 'forward_task',
-                 'backward_block', 'forward_stack', 'backward_stack'):
+    for name in ('online_softmax_tile', 'backward_tile', 'softmax_rows', 'backward_block',
+                 'forward_stack', 'backward_stack'):
         asm = ''.join(cpu_runtime.tile_kernel(dtype, name).inspect_asm().values())
         functions = counts.setdefault(f'{name} {np.dtype(dtype).name}', {})
         function = block = None
@@ -732,7 +732,7 @@ def test_kernels_use_the_full_vector_width(tmp_path):
             found = counts[f"{name} {dtype}"]
             assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
         # the task loops (_task_kernels.py) call them: inlined or not, still at full width
-        for name in ("forward_task", "backward_block", "forward_stack", "backward_stack"):
+        for name in ("backward_block", "forward_stack", "backward_stack"):
             found = counts[f"{name} {dtype}"]
             assert any(ops.get("vpslld") for ops in found.values()), (name, dtype, found)
         rows = counts[f"softmax_rows {dtype}"]

@@ -5,7 +5,7 @@ The engine's Python loop (:func:`cuonline.engines.numpy._online`) spends, per ke
 of microseconds between its calls (the score pipeline, the window band, a ctypes call of about
 7 µs per product, a new score tile), more on the diagonal tile of causal attention, whose
 products run per group of 128 rows, and it holds the GIL meanwhile, so the engine's threads
-wait on each other. :func:`forward_task` runs a query block's walk in one compiled call that
+wait on each other. :func:`forward_walk` runs a query block's walk in one compiled call that
 holds no GIL: for each tile, ``q kᵀ`` by ``cblas_?gemm`` (over the columns each group of rows
 may see, :meth:`.numpy_scores.ScorePipeline.row_spans`' rule), the tile kernel
 :func:`._tile_kernels.online_softmax_tile`, and ``P v`` added into the output by
@@ -206,7 +206,7 @@ def _add_alibi(tile, band, slope, key0, diag0, lo, hi):
 
 @numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
 def _walk_scratch(n, span_rows, band, like):
-    """The scratch of :func:`_walk` for ``n`` query rows, ``(lo, hi, c0s, c1s, band)``:
+    """The scratch of :func:`forward_walk` for ``n`` query rows, ``(lo, hi, c0s, c1s, band)``:
     ``band`` elements for ALiBi's terms (0 without them), floats of ``like``'s dtype."""
     lo = np.empty(n, dtype=np.int64)
     hi = np.empty(n, dtype=np.int64)
@@ -254,22 +254,10 @@ def _walk_impl(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi
 # into an uncached helper with its scratch passed in: the processes that compiled such a
 # version and those that loaded it from the cache summed the rows' weights in different
 # orders, 1-ulp differences between a Dask worker's chunks and its client's)
-_walk = compiled(_walk_impl)
-_walk.__doc__ = """:func:`forward_task` with its scratch (:func:`_walk_scratch`)."""
-
-
-def _forward_task(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0,
-                  span_rows, gemm, wide, alibi, slope, diag0):
-    full_vector_width()
-    n = o.shape[0]
-    scratch = _walk_scratch(n, span_rows, n + width - 1 if alibi else 0, s)
-    _walk(q, ldq, k, ldk, v, ldv, d, m, l, o, s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm,
-          wide, alibi, slope, diag0, *scratch)
-
-
-forward_task = compiled(_forward_task)
-forward_task.__doc__ = """The online-softmax state after keys ``[j_lo, j_hi)`` of one query block,
-in place: :func:`cuonline.engines.numpy._online`'s loop for the plain score.
+forward_walk = compiled(_walk_impl)
+forward_walk.__doc__ = """The online-softmax state after keys ``[j_lo, j_hi)`` of one query
+block, in place: :func:`cuonline.engines.numpy._online`'s loop for the plain score (or it and
+ALiBi's term); :func:`forward_stack` calls it for each element of a stack.
 
 Parameters
 ----------
@@ -292,6 +280,9 @@ gemm, wide : int, bool
 alibi, slope, diag0 : bool, float of the dtype of ``s``, int
     Whether the logits take ALiBi's term ``-slope * |j - (diag0 + i)|`` (``diag0``: the key
     facing query row 0), added to each tile after its product (:func:`_add_alibi`).
+lo, hi, c0s, c1s, band : arrays
+    Scratch (:func:`_walk_scratch`): the rows' visible columns of a tile, the groups'
+    columns, and ALiBi's distances (empty without ALiBi).
 """
 
 
@@ -319,16 +310,16 @@ def _forward_stack(qs, ldq, scale, queries, ks, ldk, vs, ldv, m, l, o, finite, s
         if j_hi <= j_lo:
             o[g] = zero                 # no tile, whose kernel would set each row of o first
         slope = slopes[g] if alibi else zero
-        _walk(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g], o[g], s,
-              j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi, slope, diag0, lo, hi,
-              c0s, c1s, band)
+        forward_walk(np.int64(queries.ctypes.data), d, ks[g], ldk, vs[g], ldv, d, m[g], l[g],
+                     o[g], s, j_lo, j_hi, width, lo0, hi0, span_rows, gemm, wide, alibi, slope,
+                     diag0, lo, hi, c0s, c1s, band)
         finite[g] = normalise_rows(l[g], o[g])
     restore_subnormals(old)
     _keep_alive(scratch)
 
 
 forward_stack = compiled(_forward_stack)
-forward_stack.__doc__ = """:func:`forward_task` for each batch element of a stack, in one call,
+forward_stack.__doc__ = """:func:`forward_walk` for each batch element of a stack, in one call,
 with what the Python around a task did: the walk of a batch of short sequences
 (:func:`cuonline.engines.numpy.attend_stacked`), the same products and tile kernel per element
 as a task of its own, with no Python between the elements.
@@ -360,7 +351,7 @@ finite : (G,) bool array
 slopes, diag0 : (G,) array of the dtype of ``s`` (or empty), int
     Each element's ALiBi slope (empty: no ALiBi term) and the key facing query row 0.
 
-The other parameters are :func:`forward_task`'s, shared by the elements (one window band).
+The other parameters are :func:`forward_walk`'s, shared by the elements (one window band).
 """
 
 
@@ -579,7 +570,7 @@ def _stamped_with(kernels, modules):
             cache_file._source_stamp = (stamp, digest.hexdigest())
 
 
-_stamped_with((_walk, forward_task, forward_stack, backward_block, backward_stack),
+_stamped_with((forward_walk, forward_stack, backward_block, backward_stack),
               (_tile_kernels, cblas))
 
 
@@ -589,13 +580,6 @@ def _warm_up_backward(dtype):
     backward_block(np.zeros((0, 4), np.int64), 0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 0, 1, 0, 1, 0, 1,
                    z, z, z, none, none, z, z, z, 128, True, True, 0, False, False,
                    dtype.type(0), 0)
-
-
-def _warm_up_forward(dtype):
-    empty = np.zeros((0, 1), dtype)
-    forward_task(0, 1, 0, 1, 0, 1, 1, np.zeros(0, dtype), np.zeros(0, dtype), empty,
-                 np.zeros(1, dtype), 0, 1, 1, np.zeros(0, np.int64), np.zeros(0, np.int64), 128,
-                 0, False, False, dtype.type(0), 0)
 
 
 def _warm_up_stack(dtype):
@@ -615,8 +599,7 @@ def _warm_up_backward_stack(dtype):
                    0)
 
 
-_WARM_UP = {"forward_task": (forward_task, _warm_up_forward),
-            "forward_stack": (forward_stack, _warm_up_stack),
+_WARM_UP = {"forward_stack": (forward_stack, _warm_up_stack),
             "backward_block": (backward_block, _warm_up_backward),
             "backward_stack": (backward_stack, _warm_up_backward_stack)}
 

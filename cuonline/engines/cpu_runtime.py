@@ -360,7 +360,7 @@ def tile_kernel(dtype, name="online_softmax_tile"):
 
 
 # the kernels of ._task_kernels (the others are ._tile_kernels')
-TASK_KERNELS = ("forward_task", "forward_stack", "backward_block", "backward_stack")
+TASK_KERNELS = ("forward_stack", "backward_block", "backward_stack")
 
 
 def _compile(name, dtype):

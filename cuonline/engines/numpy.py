@@ -402,7 +402,7 @@ def plain_score(p):
 
 
 def walk_score(p):
-    """True when the forward's compiled walk (:func:`._task_kernels.forward_task`) takes the
+    """True when the forward's compiled walk (:func:`._task_kernels.forward_walk`) takes the
     logits: :func:`plain_score`'s, or those plus ALiBi's term."""
     return _score_without(p, ("kv_lengths", "alibi_slopes"))
 

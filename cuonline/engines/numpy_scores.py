@@ -132,7 +132,7 @@ class ScorePipeline:
         ``[c0, c1)`` of a tile of ``w`` keys from ``js`` (of a tile width ``width``) that the
         window band lets any of them see; None when these spans cover more than 3/4 of the
         tile (one product over the whole tile is then as cheap). The compiled walk of the
-        forward (:func:`._task_kernels.forward_task`) applies the same rule in its own loop;
+        forward (:func:`._task_kernels.forward_walk`) applies the same rule in its own loop;
         ``tests/test_task_kernels.py`` holds the two to the same bits."""
         if self.n < 2 * rows or (self.left is None and self.right is None):
             return None
