@@ -109,7 +109,8 @@ def row_norms(xp, x):
     return xp.sqrt(xp.einsum("...ij,...ij->...i", x, x, dtype=xp.float64))
 
 
-def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None):
+def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None,
+                  sequences=None):
     """``R`` of every row (see the module docstring): ``(..., Lq)`` float64.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``rel_q`` (..., Lq, Dr) and ``rel_k`` (..., T, Dr)
@@ -117,6 +118,11 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None):
     out, and so is NaN in ``k`` or ``rel_k`` (a NaN the row sees makes its sum NaN, and a NaN
     it does not see changes nothing). Reads each array once (views of broadcast inputs are
     not expanded).
+
+    ``sequences``, ``(cu_seqlens_q, cu_seqlens_k)``: ``q`` and ``k`` hold packed sequences
+    (``Lq`` and ``Lk`` their totals), sequence ``s`` the query rows and keys from offset
+    ``[s]`` to offset ``[s + 1]``, and each row's largest key norm is taken over its own
+    sequence's keys (0 for a sequence without keys). NumPy only (``reduceat``).
     """
     def largest(x):                                     # NaN left out; no rows: 0
         if x.shape[-1] == 0:
@@ -126,10 +132,25 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None):
     keys = row_norms(xp, k)
     if kv_lengths is not None:
         keys = xp.where(xp.arange(keys.shape[-1]) < xp.asarray(kv_lengths)[..., None], keys, 0)
-    bound = abs(float(scale)) * row_norms(xp, q) * largest(keys)[..., None]  # any sign
+    if sequences is None:
+        seen = largest(keys)[..., None]
+    else:
+        seen = _largest_per_sequence(xp, xp.where(xp.isnan(keys), 0.0, keys), *sequences)
+    bound = abs(float(scale)) * row_norms(xp, q) * seen              # any sign of the scale
     if rel_q is not None:
         bound = bound + row_norms(xp, rel_q) * largest(row_norms(xp, rel_k))[..., None]
     return bound
+
+
+def _largest_per_sequence(xp, keys, cu_q, cu_k):
+    """``(..., Lq)``: for each packed query row, the largest of ``keys`` (..., Lk) over its
+    sequence's keys, 0 where the sequence has none."""
+    cu_q, cu_k = np.asarray(cu_q), np.asarray(cu_k)
+    largest = xp.zeros(keys.shape[:-1] + (len(cu_k) - 1,))
+    filled = np.flatnonzero(np.diff(cu_k))
+    if filled.size:      # reduceat's runs end where the next begins: the empty ones left out
+        largest[..., filled] = xp.maximum.reduceat(keys, cu_k[filled], axis=-1)
+    return xp.repeat(largest, np.diff(cu_q), axis=-1)
 
 
 def check_row_sums(xp, row_sums, lse, *, acc_dtype, n_keys, logit_terms, products=0.0,

@@ -629,6 +629,25 @@ def test_an_lse_within_the_bound_of_its_products_is_accepted(scale):
                                     scale=scale)
 
 
+def test_the_product_bound_of_packed_sequences_is_each_sequences_own(rng):
+    """Packed sequences: each query row's R is the one of its own sequence as a call of its
+    own (its own keys' largest norm, NaN left out); a sequence without keys gives its rows 0,
+    one without queries gives no row."""
+    from cuonline import _lse_check
+
+    cu_q, cu_k = np.array([0, 3, 3, 7, 9]), np.array([0, 4, 6, 6, 11])
+    q = rng.standard_normal((2, 9, 8))
+    k = rng.standard_normal((2, 11, 8)) * np.arange(1, 12)[:, None]  # each sequence its max
+    k[1, 10, 2] = np.nan
+    got = _lse_check.product_bound(np, q, k, -0.25, sequences=(cu_q, cu_k))
+    assert got.shape == (2, 9)
+    for s in range(4):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        want = _lse_check.product_bound(np, q[:, rows], k[:, keys], -0.25)
+        np.testing.assert_allclose(got[:, rows], want, rtol=1e-14)
+    assert (got[:, 3:7] == 0).all() and (got[:, 7:] > 0).all()
+
+
 def test_the_product_bound_of_float32_inputs_is_an_upper_bound(rng):
     """Norms summed in float32 (the fast path) never fall below float64's, and squares that
     overflow float32 (|x| ~ 1e20) are summed in float64 instead of becoming inf."""

@@ -325,23 +325,9 @@ def _check_row_sums(bp, sums, lengths_q, lengths_k) -> None:
     p = bp.forward
     n_keys = np.repeat(lengths_k, lengths_q)                         # (total_q,)
 
-    def norms(x):                                # float64, never below the exact norm
-        return _lse_check.row_norms(np, x)
-
     def products():                     # only where a row is past the bound of R = 0
-        keys = norms(p.k)
-        keys = np.where(np.isnan(keys), 0.0, keys)
-        largest = np.zeros(p.batch_shape + (len(lengths_k),))
-        nonempty = np.flatnonzero(lengths_k)
-        if nonempty.size:
-            largest[..., nonempty] = np.maximum.reduceat(
-                keys, p.cu_seqlens_k[:-1][nonempty], axis=-1)
-        bound = abs(p.scale) * norms(p.q) * np.repeat(largest, lengths_q, axis=-1)
-        if p.rel_q is not None:
-            table = norms(p.rel_k)
-            table = np.where(np.isnan(table), 0.0, table).max(axis=-1, initial=0.0)
-            bound = bound + norms(p.rel_q) * table[..., None]
-        return bound
+        return _lse_check.product_bound(np, p.q, p.k, p.scale, rel_q=p.rel_q, rel_k=p.rel_k,
+                                        sequences=(p.cu_seqlens_q, p.cu_seqlens_k))
 
     terms = p.d + p.dr
     _lse_check.check_row_sums(np, sums.sums, np.broadcast_to(bp.lse, sums.sums.shape),
