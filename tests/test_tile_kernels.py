@@ -369,6 +369,55 @@ def test_the_task_loops_cache_goes_stale_with_the_tile_kernels_file(tmp_path):
         assert hits_and_misses() == [1, 0], name
 
 
+# the bits of every compiled path (the forward's stacks and long walks, the backward's, the
+# softmax rows; plain, causal, window and ALiBi; float32 and float64), as sha256 digests
+_BITS = r"""
+import hashlib, json
+import numpy as np
+import cuonline
+from cuonline.engines import _task_kernels
+rng = np.random.default_rng(7)
+digests = {}
+for dtype in (np.float32, np.float64):
+    for shape in ((48, 16, 64), (2, 700, 64)):  # stacks of short sequences; long walks
+        q, k, v, dout = (rng.standard_normal(shape).astype(dtype) * 3 for _ in range(4))
+        slopes = np.linspace(0.05, 0.5, shape[0]).astype(dtype)
+        for name, kw in (('plain', {}), ('causal', dict(causal=True)),
+                         ('window', dict(window=(200, 5))), ('alibi', dict(alibi_slopes=slopes))):
+            out, lse = cuonline.attention(q, k, v, return_lse=True, **kw)
+            grads = cuonline.attention_backward(dout, q, k, v, out, lse, **kw)
+            h = hashlib.sha256()
+            for a in (out, lse, grads.dq, grads.dk, grads.dv):
+                h.update(np.ascontiguousarray(a).tobytes())
+            digests[f'{np.dtype(dtype).name} {shape} {name}'] = h.hexdigest()
+    x = (rng.standard_normal((3, 5, 1300)) * 30).astype(dtype)
+    digests[f'{np.dtype(dtype).name} softmax'] = hashlib.sha256(
+        cuonline.softmax(x).tobytes()).hexdigest()
+stats = _task_kernels.forward_stack.stats
+print(json.dumps([digests, sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+@pytest.mark.slow
+def test_the_bits_are_the_same_in_a_process_that_loads_the_kernels_from_the_cache(tmp_path):
+    """A process that compiles the kernels and one that loads them from numba's on-disk cache
+    give the same bits on every compiled path. LLVM's code for a kernel can differ between the
+    two (an uncached helper with a sum, called from a cached kernel, once summed rows in
+    another order there): Dask's worker processes and their client then disagree by an ulp,
+    which no test within one process sees."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", _BITS], env=env, check=True, timeout=600,
+                              capture_output=True, text=True, cwd=tmp_path)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    compiling, loading = run(), run()
+    assert compiling[1:] == [0, 2] and loading[1:] == [2, 0]     # one of each dtype
+    differ = [case for case in compiling[0] if compiling[0][case] != loading[0][case]]
+    assert not differ, differ
+
+
 def softmax_rows_case(dtype, rng):
     x = (rng.standard_normal((2, 7, 1300)) * 30).astype(dtype)
     x[0, 0] = -np.inf                                   # nothing visible: 0, -inf, -inf
