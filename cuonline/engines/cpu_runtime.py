@@ -51,11 +51,13 @@ def workers() -> int:
 PARALLEL_WORK = 1 << 23
 
 
-def cores_for(work):
-    """The cores a call of ``work`` multiply-adds is cut for (:func:`stacks_of`): all of them
-    (:func:`workers`), or 1 below ``PARALLEL_WORK``. A count of the problem, never of a call's
-    ``workers``: a plan, and so the results, do not depend on ``workers``."""
-    return 1 if work < PARALLEL_WORK else workers()
+def cores_for(scores, products):
+    """The cores a call of ``scores`` score places is cut for (:func:`stacks_of`), each place
+    ``products`` multiply-adds (the forward's two products: ``D + Dv``; the backward's five:
+    ``2 D + 3 Dv``): all of them (:func:`workers`), or 1 below ``PARALLEL_WORK``
+    multiply-adds. A count of the problem, never of a call's ``workers``: a plan, and so the
+    results, do not depend on ``workers``."""
+    return 1 if scores * products < PARALLEL_WORK else workers()
 
 
 def stacks_of(count, most, cores):

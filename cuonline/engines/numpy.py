@@ -189,8 +189,8 @@ def stack_plan(p):
     if found is None:
         return None
     most, spans = found
-    work = p.nbatch * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in spans) * (p.d + p.dv)
-    runs = stacks_of(p.nbatch, most, cores_for(work))
+    scores = p.nbatch * sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in spans)
+    runs = stacks_of(p.nbatch, most, cores_for(scores, p.d + p.dv))
     if min(z - a for a, z in runs) < 2:  # one element a stack: the general path, band spans
         return None
     return [(ElementRun(p.batch_shape, a, z), i0, i1, j0, j1) for i0, i1, j0, j1 in spans

@@ -178,8 +178,7 @@ def _stacks(p, groups):
     most = stack_limit(p) if p.nbatch >= 2 else 0
     if most < 2:
         return None
-    # the products of a tile: 2 D + 3 Dv multiply-adds a score place
-    runs = stacks_of(p.nbatch, most, cores_for(p.nbatch * p.lq * p.lk * (2 * p.d + 3 * p.dv)))
+    runs = stacks_of(p.nbatch, most, cores_for(p.nbatch * p.lq * p.lk, 2 * p.d + 3 * p.dv))
     if p.nbatch < 2 * len(runs):
         return None
     if len(groups) == p.nbatch:
