@@ -158,6 +158,41 @@ def test_a_call_of_little_work_runs_as_one_stack(rng, monkeypatch, backward_mach
             np.testing.assert_array_equal(getattr(again, name), getattr(grads, name))
 
 
+@pytest.mark.parametrize("options", OPTIONS[:4] + [{"alibi_slopes": np.linspace(0.1, 1, 6)}],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_stack_and_a_stack_per_core_give_the_same_bits(rng, monkeypatch, backward_machine,
+                                                          options, dtype):
+    """A call of little work runs as one stack, the tests' others as a stack per core: the
+    same bits for every score the stacks take, forward and backward, with an element whose
+    output is not finite (redone by the careful path) and keys shared by two query heads
+    (the backward's groups)."""
+    q = rng.standard_normal((3, 2, 24, 8)).astype(dtype)
+    k, v = (rng.standard_normal((3, 1, 24, 8)).astype(dtype) for _ in range(2))
+    v[1, 0, 20, 3] = np.inf
+    if "alibi_slopes" in options:
+        options = {"alibi_slopes": options["alibi_slopes"].reshape(3, 2).astype(dtype)}
+    results = []
+    for limit, stacks in ((1 << 62, 1), (0, 2)):
+        monkeypatch.setattr(cpu_runtime, "PARALLEL_WORK", limit)
+        p = _validate.validate_attention(q, k, v, **options)
+        assert len(numpy_engine.stack_plan(p)) == stacks
+        out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+        dout = np.ones_like(out)
+        bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, **options)
+        tasks = backward_machine._plan(bp.forward, bp.targets)
+        assert [part for _, part, _, _ in tasks] == ["stack"] * stacks
+        grads = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
+        results.append((out, lse, grads.dq, grads.dk, grads.dv))
+    assert not np.isfinite(results[0][0][1, :, 20:]).all()
+    for one, per_core in zip(*results):
+        np.testing.assert_array_equal(one, per_core)
+    finite = ([0, 2], slice(None))
+    check_attention(q[finite], k[finite], v[finite], results[0][0][finite],
+                    results[0][1][finite], options if "alibi_slopes" not in options
+                    else {"alibi_slopes": options["alibi_slopes"][[0, 2]]})
+
+
 def test_long_or_single_sequences_take_the_general_path(rng, monkeypatch):
     # one element; more queries than a block
     rows, keys = numpy_engine.blocks(np.float32)
