@@ -312,3 +312,12 @@ def test_element_runs_read_as_the_lists_of_their_elements(shape):
         np.testing.assert_array_equal(view, [y[e] for e in want] or np.empty((0, 2, 3)))
         if shape == (2, 3, 4) and len(want):     # heads before batch in memory
             assert run.view(y.transpose(1, 0, 2, 3, 4).copy().transpose(1, 0, 2, 3, 4)) is None
+        # addresses by the run's step where the axes merge, by the index where they do not,
+        # and a broadcast batch read as the elements' own views
+        apart = y.transpose(1, 0, 2, 3, 4).copy().transpose(1, 0, 2, 3, 4) if len(shape) == 3 else y
+        for arr in (y, y[..., ::-1, :], apart):
+            np.testing.assert_array_equal(batch_addresses(arr, run),
+                                          [arr[e].ctypes.data for e in want])
+        shared = y[(slice(0, 1),) * len(shape)]              # every batch axis of length 1
+        np.testing.assert_array_equal(run.view(shared), [shared.reshape(2, 3)] * len(want)
+                                      or np.empty((0, 2, 3)))

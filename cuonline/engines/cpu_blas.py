@@ -359,6 +359,10 @@ def batch_addresses(x, elements):
     :func:`batch_index` takes them, or its array) of an array ``x`` of shape ``S + (L, D)``,
     as int64; an axis of ``S`` of length 1 is taken as broadcast (index 0 whatever ``b``
     says: the slot of a gradient buffer)."""
+    if isinstance(elements, ElementRun):
+        found = elements.addresses(x)
+        if found is not None:                   # a run whose batch axes merge: no index
+            return found
     index = elements if isinstance(elements, np.ndarray) else batch_index(elements)
     lead = index.shape[1]
     strides = np.array([0 if n == 1 else s for n, s in zip(x.shape[:lead], x.strides[:lead])],

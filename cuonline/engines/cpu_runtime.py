@@ -117,21 +117,41 @@ class ElementRun(Sequence):
     def __repr__(self):
         return f"ElementRun({self.shape}, {self.start}, {self.stop})"
 
+    def step(self, x, tail=2):
+        """The step in bytes from one element's part of ``x`` to the next (batch axes
+        ``shape``, or broadcast to it, then ``tail`` more), or None where the batch axes do
+        not merge into one axis without a copy."""
+        extra = x.ndim - tail - len(self.shape)        # x's batch axes end where shape's do
+        axes = [(n, 0 if extra + i < 0 or x.shape[extra + i] == 1 else x.strides[extra + i])
+                for i, n in enumerate(self.shape) if n != 1]
+        if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
+            return None
+        return axes[-1][1] if axes else 0
+
     def view(self, x, tail=2):
         """The elements of ``x`` (batch axes ``shape``, or broadcast to it, then ``tail``
         more) as one slice, a view of shape ``(len(self),) + x.shape[-tail:]`` (writeable
         where ``x`` is and needs no broadcast); None where the batch axes do not merge into
         one without a copy."""
-        lead = len(self.shape)
-        if x.shape[:x.ndim - tail] != self.shape:
-            x = np.broadcast_to(x, self.shape + x.shape[x.ndim - tail:])
-        axes = [(n, step) for n, step in zip(x.shape[:lead], x.strides[:lead]) if n != 1]
-        if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
+        step = self.step(x, tail)
+        if step is None:
             return None
-        merged = np.lib.stride_tricks.as_strided(
-            x, (math.prod(self.shape),) + x.shape[lead:],
-            ((axes[-1][1] if axes else 0),) + x.strides[lead:], writeable=x.flags.writeable)
+        rest = x.shape[x.ndim - tail:]
+        if x.shape[:x.ndim - tail] == self.shape:     # the axes merge: reshape makes a view
+            merged = x.reshape((math.prod(self.shape),) + rest)
+        else:
+            merged = np.lib.stride_tricks.as_strided(
+                x, (math.prod(self.shape),) + rest, (step,) + x.strides[x.ndim - tail:],
+                writeable=False)
         return merged[self.start:self.stop]
+
+    def addresses(self, x, tail=2):
+        """The address of each element's part of ``x`` (as :meth:`view` takes it), int64;
+        None where the batch axes do not merge."""
+        step = self.step(x, tail)
+        if step is None:
+            return None
+        return x.ctypes.data + np.arange(self.start, self.stop, dtype=np.int64) * step
 
     def indices(self):
         """The elements' indices, an int64 array of shape ``(len(self), len(shape))``."""

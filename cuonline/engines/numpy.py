@@ -346,15 +346,15 @@ def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
         return None
     (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), i1 - i0, p.d
     first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
-    index = batch_index(elements)
     in_place = p.q.flags.aligned and blas.reads_rows(first, acc_t)
     if in_place:
-        queries = (batch_addresses(p.q, index) + i0 * first.strides[0], first.strides[0] // size)
+        queries = (batch_addresses(p.q, elements) + i0 * first.strides[0],
+                   first.strides[0] // size)
     width = key_tile(n, *blocks(acc_t))
     lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
-    keys = (batch_addresses(p.k, index), p.k.strides[-2] // size)
-    values = (batch_addresses(p.v, index), p.v.strides[-2] // size)
-    slopes = element_slopes(p, elements, index)
+    keys = (batch_addresses(p.k, elements), p.k.strides[-2] // size)
+    values = (batch_addresses(p.v, elements), p.v.strides[-2] // size)
+    slopes = element_slopes(p, elements)
 
     def run():
         if in_place:
@@ -373,15 +373,16 @@ def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
     return run
 
 
-def element_slopes(p, elements, index):
-    """The ALiBi slopes of the batch ``elements`` (rows ``index``), in the accumulation
-    dtype; empty without the term."""
+def element_slopes(p, elements):
+    """The ALiBi slopes of the batch ``elements``, in the accumulation dtype; empty without
+    the term."""
     if p.alibi_slopes is None:
         return np.empty(0, dtype=p.acc_dtype)
     view = elements.view(p.alibi_slopes, 0) if isinstance(elements, ElementRun) else None
     if view is not None:
         return view
-    return p.alibi_slopes[tuple(index.T)].reshape(len(elements))   # () batch: one slope
+    index = tuple(batch_index(elements).T)
+    return p.alibi_slopes[index].reshape(len(elements))               # () batch: one slope
 
 
 def _stack_walk(p, element):

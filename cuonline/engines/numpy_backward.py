@@ -487,12 +487,10 @@ def _compiled_stack(bp, elements, buffers, sums):
     acc = p.acc_dtype
     first = elements[0]
     grads = [buffers[n][bp.targets[n].slot(first)] for n in ("q", "k", "v")]
-    at = batch_index(elements)
-    index = tuple(at.T)
 
-    def gathered(x):                       # (G, ...): a view where a run's batch axes merge
-        view = elements.view(x) if isinstance(elements, ElementRun) else None
-        return x[index] if view is None else view
+    def gathered(x, tail=2):               # (G, ...): a view where a run's batch axes merge
+        view = elements.view(x, tail) if isinstance(elements, ElementRun) else None
+        return x[tuple(batch_index(elements).T)] if view is None else view
 
     def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
         return np.ascontiguousarray(gathered(x), dtype=acc)
@@ -503,7 +501,8 @@ def _compiled_stack(bp, elements, buffers, sums):
                                                    *grads))
     if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
         return 0, 0
-    lse = np.broadcast_to(bp.lse, p.batch_shape + (p.lq,))[index].astype(acc, copy=False)
+    lse = np.ascontiguousarray(gathered(np.broadcast_to(bp.lse, p.batch_shape + (p.lq,)), 1),
+                               dtype=acc)
     with np.errstate(invalid="ignore"):
         finite = (np.isfinite(qs).all() and np.isfinite(do).all()
                   and np.isfinite(gathered(p.k)).all())
@@ -522,14 +521,14 @@ def _compiled_stack(bp, elements, buffers, sums):
     (blas, stack), size = found, acc.itemsize
 
     def rows(x):                     # each element's row-0 address (a gradient: its slot's)
-        return batch_addresses(x, at), x.strides[-2] // size
+        return batch_addresses(x, elements), x.strides[-2] // size
 
     done, skip = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
                        do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
                        *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse,
                        delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
                        np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide,
-                       element_slopes(p, elements, at), p.diagonal_offset)
+                       element_slopes(p, elements), p.diagonal_offset)
     # the rows' sums of the elements done and of the tiles done of the next one
     added = done + (skip > 0)
     run = elements.view(sums.sums, 1) if isinstance(elements, ElementRun) else None
