@@ -7,6 +7,7 @@ zero-copy views broadcast to the batch shape, so no engine repeats a check or a 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -208,7 +209,12 @@ def _native(xp, x):
 
 
 def _is_float_dtype(dtype) -> bool:
-    return np.dtype(dtype).name in _FLOAT_NAMES
+    return _is_float(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _is_float(dtype: np.dtype) -> bool:       # a dtype's name is made on each reading (2 us)
+    return dtype.name in _FLOAT_NAMES
 
 
 def _check_float(x, name, *, label=None):
@@ -228,7 +234,7 @@ def _check_float(x, name, *, label=None):
 
 def _broadcast_to(xp, x, shape, name, expected):
     try:
-        if np.broadcast_shapes(x.shape, shape) != tuple(shape):
+        if tuple(x.shape) != tuple(shape) and np.broadcast_shapes(x.shape, shape) != tuple(shape):
             raise ValueError
     except ValueError:
         raise ValueError(
@@ -458,7 +464,8 @@ def validate_attention(q, k, v, options: Options | None = None, *, return_lse: b
     if xp is not np:
         _check_same_device(q=q, k=k, v=v, **arrays)
     try:
-        batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        batch = (tuple(q.shape[:-2]) if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+                 else tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])))
     except ValueError:
         raise ValueError(
             f"the leading (batch) dimensions of `q` {tuple(q.shape[:-2])}, `k` "
