@@ -6,6 +6,10 @@ every library and for every band, tile tail and row group, run where it applies 
 where it does not, and keep the engine's handling of values that are not finite.
 """
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from support import check_attention, check_gradients
@@ -657,3 +661,41 @@ def test_a_stack_stopped_inside_an_element_resumes_at_its_tile(library, monkeypa
     same_gradients(got, backward_per_element(
         monkeypatch, lambda: cuonline.attention_backward(dout, q, k, v, out, lse,
                                                          causal=True)))
+
+
+# calls of every compiled path with what users pass: read-only inputs, outputs and lse, a
+# scalar output gradient, queries whose rows are apart; the kernels' compiled signatures after
+_SIGNATURES = r"""
+import json
+import numpy as np
+import cuonline
+from cuonline.engines import _task_kernels as t
+rng = np.random.default_rng(0)
+for dtype in (np.float32, np.float64):
+    for shape, options in (((2, 8, 16, 16), {}), ((1, 2, 700, 16), {}),
+                           ((2, 8, 16, 16), {'causal': True})):
+        q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+        for x in (q, k, v):
+            x.flags.writeable = False
+        out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+        out.flags.writeable = lse.flags.writeable = False
+        cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+        cuonline.attention_backward(1.0, q, k, v, out, lse, **options)
+        apart = q[..., ::2, :]
+        out, lse = cuonline.attention(apart, k, v, return_lse=True, **options)
+        cuonline.attention_backward(out, apart, k, v, out, lse, **options)
+print(json.dumps({name: len(getattr(t, name).signatures)
+                  for name in ('forward_stack', 'backward_block', 'backward_stack')}))
+"""
+
+
+@pytest.mark.slow
+def test_the_engine_calls_each_kernel_with_the_types_it_was_compiled_for():
+    """Every call of a compiled task loop passes the argument types of its warm-up: one
+    compiled signature a dtype. An argument of another type (a read-only view where the
+    warm-up passed a writeable array) is compiled anew on first use, seconds of a user's
+    call, and cached beside the others."""
+    run = subprocess.run([sys.executable, "-c", _SIGNATURES], check=True, timeout=600,
+                         capture_output=True, text=True)
+    counts = json.loads(run.stdout.splitlines()[-1])
+    assert counts == {"forward_stack": 2, "backward_block": 2, "backward_stack": 2}, counts

@@ -482,11 +482,29 @@ int
 """
 
 
-def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d, dv, dqs,
-                    lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds, row_sums,
-                    span_rows, gemm, wide, slopes, diag0):
+@numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
+def _finite_rows(address, rows, ld, width, like):
+    """Whether the ``rows`` rows of ``width`` numbers (``ld`` apart) from ``address`` are all
+    finite: one vector sum of each number times 0 (NaN once any is NaN or infinite)."""
+    zero = like.dtype.type(0)
+    x = numba.carray(_pointer(address, zero), (rows, ld))
+    check = zero
+    for i in range(rows):
+        for c in range(width):
+            check += x[i, c] * zero
+    return check == zero
+
+
+def _backward_stack(tiles, qs, ldq, scale, queries, do, ldo, do_step, ks, ldk, vs, ldv, d, dv,
+                    dqs, lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds,
+                    row_sums, span_rows, gemm, wide, slopes, diag0):
     full_vector_width()
+    zero = s.dtype.type(0)
     alibi = slopes.shape[0] > 0
+    n = queries.shape[0]
+    keys = 0                                    # the keys the tiles read: [0, keys)
+    for t in range(tiles.shape[0]):
+        keys = max(keys, tiles[t, 3])
     # every array the elements' loops take or pass views of, viewed without reference counts
     # (:func:`_forward_stack`'s reason): the arguments and the scratch, held to the end below
     scratch = _tiles_scratch(tiles, span_rows, alibi, s)
@@ -496,21 +514,37 @@ def _backward_stack(tiles, q, ldq, q_step, do, ldo, do_step, ks, ldk, vs, ldv, d
     lse, delta, sums, lo0, hi0 = (unowned(lse), unowned(delta), unowned(sums), unowned(lo0),
                                   unowned(hi0))
     s, ds, row_sums, tiles = unowned(s), unowned(ds), unowned(row_sums), unowned(tiles)
+    queries = unowned(queries)
+    scaled = np.int64(queries.ctypes.data)
     old = flush_subnormals()
     done, g = tiles.shape[0], 0
     while g < lse.shape[0] and done == tiles.shape[0]:
-        slope = slopes[g] if alibi else s.dtype.type(0)
-        done = _backward_tiles(tiles, q + g * q_step, ldq, do + g * do_step, ldo, ks[g], ldk,
-                               vs[g], ldv, d, dv, dqs[g], lddq, dks[g], lddk, dvs[g], lddv,
-                               lse[g], delta[g], sums[g], lo0, hi0, s, ds, row_sums, span_rows,
-                               True, True, gemm, wide, alibi, slope, diag0, lo, hi, c0s, c1s,
-                               band)
+        # the element's queries times the scale into the scratch, as the Python loop scales
+        # them, and its operands checked: anything but finite numbers and rows that see a key
+        # goes to the caller's loop, from this element on
+        rows = numba.carray(_pointer(qs[g], zero), (n, ldq))
+        check = zero
+        for i in range(n):
+            for c in range(d):
+                queries[i, c] = rows[i, c] * scale
+                check += queries[i, c] * zero
+        finite = check == zero and _finite_rows(do + g * do_step, n, ldo, dv, s)
+        finite = finite and _finite_rows(ks[g], keys, ldk, d, s)
+        for i in range(n):
+            finite = finite and lse[g, i] != -np.inf
+        if not finite:
+            break
+        slope = slopes[g] if alibi else zero
+        done = _backward_tiles(tiles, scaled, d, do + g * do_step, ldo, ks[g], ldk, vs[g], ldv,
+                               d, dv, dqs[g], lddq, dks[g], lddk, dvs[g], lddv, lse[g],
+                               delta[g], sums[g], lo0, hi0, s, ds, row_sums, span_rows, True,
+                               True, gemm, wide, alibi, slope, diag0, lo, hi, c0s, c1s, band)
         g += 1
     restore_subnormals(old)
     _keep_alive(scratch)
     if done < tiles.shape[0]:
         return g - 1, done
-    return lse.shape[0], 0
+    return g, 0
 
 
 backward_stack = compiled(_backward_stack)
@@ -525,9 +559,17 @@ Parameters
 tiles : (T, 4) int64 array
     The tiles of every element (one window band), as :func:`backward_block`'s, in the order a
     task per element adds them (key block by key block).
-q, ldq, q_step; do, ldo, do_step : int
-    Address of element 0's scaled queries (output gradient), their row stride in elements
-    and the step in bytes from one element's to the next.
+qs, ldq : (G,) int64 array, int
+    Addresses of row 0 of each element's queries (unscaled, of the dtype of ``s``), rows
+    ``ldq`` elements apart, each row contiguous.
+scale : float of the dtype of ``s``
+    The score scale.
+queries : (n, d) C-ordered array
+    Scratch for one element's scaled queries (the multiplications of the Python loop's
+    scaled copy).
+do, ldo, do_step : int
+    Address of element 0's output gradient, its row stride in elements and the step in bytes
+    from one element's to the next.
 ks, vs, dqs, dks, dvs : (G,) int64 arrays
     Addresses of row 0 of each element's keys, values and gradient slots; ``ld*``: their row
     strides in elements (the same for every element).
@@ -542,8 +584,10 @@ Returns
 -------
 (int, int)
     The elements done, and the tiles done of the next one: ``(G, 0)``, or fewer elements
-    where a tile of the next element had a P or dS not all finite (its tiles before that one
-    added, nothing of it; the caller does the rest of it and the elements after it).
+    where the next element's scaled queries, output gradient or keys (those the tiles read)
+    were not all finite or a row of it had ``lse = -inf`` (no tile of it done), or a tile of
+    it had a P or dS not all finite (its tiles before that one added, nothing of it). The
+    caller does the rest of that element and the elements after it.
 """
 
 
@@ -593,10 +637,10 @@ def _warm_up_stack(dtype):
 def _warm_up_backward_stack(dtype):
     z = np.zeros((0, 1), dtype)
     none = np.zeros(0, np.int64)
-    backward_stack(np.zeros((0, 4), np.int64), 0, 1, 0, 0, 1, 0, none, 1, none, 1, 1, 1, none,
-                   1, none, 1, none, 1, z, z, z, none, none, np.zeros(1, dtype),
-                   np.zeros(1, dtype), np.zeros(1, dtype), 128, 0, False, np.zeros(0, dtype),
-                   0)
+    backward_stack(np.zeros((0, 4), np.int64), none, 1, dtype.type(1), np.zeros((0, 1), dtype),
+                   0, 1, 0, none, 1, none, 1, 1, 1, none, 1, none, 1, none, 1, z, z, z, none,
+                   none, np.zeros(1, dtype), np.zeros(1, dtype), np.zeros(1, dtype), 128, 0,
+                   False, np.zeros(0, dtype), 0)
 
 
 _WARM_UP = {"forward_stack": (forward_stack, _warm_up_stack),

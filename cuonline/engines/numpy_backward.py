@@ -478,10 +478,11 @@ def _compiled_stack(bp, elements, buffers, sums):
     """Add the gradients of the batch ``elements`` (a stack of :func:`_stacks`), in order, in
     one compiled call (:func:`._task_kernels.backward_stack`: each element's tile, products
     and tile kernel those of :func:`_compiled_block` for the element alone, so the same bits),
-    where it applies: every element's queries, output gradient and keys finite and every row
-    seeing a key, and the rows CBLAS reads in place (the first element's tells for all: one
-    array's views with the same strides). Returns ``(elements done, tiles done of the next
-    one)`` (``(0, 0)``: it did not apply); the caller does the rest with
+    where it applies: the rows CBLAS reads in place (the first element's tells for all: one
+    array's views with the same strides). The kernel scales each element's queries itself
+    and stops at the first element whose scaled queries, output gradient or keys are not all
+    finite or whose row sees no key. Returns ``(elements done, tiles done of the next one)``
+    (``(0, 0)``: it did not apply, or stopped at once); the caller does the rest with
     :func:`_one_batch_element`."""
     p = bp.forward
     acc = p.acc_dtype
@@ -495,19 +496,23 @@ def _compiled_stack(bp, elements, buffers, sums):
     def stacked(x):                        # (G, L, D) in the accumulation dtype, C-ordered
         return np.ascontiguousarray(gathered(x), dtype=acc)
 
-    qs = np.multiply(gathered(p.q), acc.type(p.scale), dtype=acc)
     do = stacked(bp.dout)
-    found = compiled_task(acc, "backward_stack", (qs[0], do[0], p.k[first], p.v[first],
-                                                   *grads))
+    found = compiled_task(acc, "backward_stack", (do[0], p.k[first], p.v[first], *grads))
     if found is None or not (p.k.flags.aligned and p.v.flags.aligned):
         return 0, 0
+    (blas, stack), size = found, acc.itemsize
+    # the queries, scaled by the kernel: read in place where CBLAS could read them, else from
+    # one stacked copy in the accumulation dtype
+    if p.q.flags.aligned and blas.reads_rows(p.q[first], acc):
+        queries = batch_addresses(p.q, elements), p.q.strides[-2] // size
+    else:
+        copy = stacked(p.q)
+        queries = (copy.ctypes.data + np.arange(len(elements), dtype=np.int64) * copy.strides[0],
+                   p.d)
     lse = np.ascontiguousarray(gathered(np.broadcast_to(bp.lse, p.batch_shape + (p.lq,)), 1),
                                dtype=acc)
-    with np.errstate(invalid="ignore"):
-        finite = (np.isfinite(qs).all() and np.isfinite(do).all()
-                  and np.isfinite(gathered(p.k)).all())
-    if not finite or (lse == -np.inf).any():
-        return 0, 0
+    if not lse.flags.writeable:          # a read-only array is another type to the kernel
+        lse = lse.copy()
     delta = _delta(do, stacked(bp.out))
     block_k = blocks(acc)[1]
     tiles = np.array([t for j0 in range(0, p.lk, block_k)
@@ -517,26 +522,28 @@ def _compiled_stack(bp, elements, buffers, sums):
         return 0, 0
     lo, hi = band_columns(query_diagonals(p, 0, p.lq), *p.window, 0, p.lk)
     n, w = int((tiles[:, 1] - tiles[:, 0]).max()), int((tiles[:, 3] - tiles[:, 2]).max())
-    row_sums = np.zeros(lse.shape, dtype=acc)
-    (blas, stack), size = found, acc.itemsize
+    # the rows' sums added into the stack's own rows of `sums` where they are one C-ordered
+    # slice, else into zeros added there after
+    run = elements.view(sums.sums, 1) if isinstance(elements, ElementRun) else None
+    direct = run is not None and run.flags.c_contiguous and run.dtype == acc
+    row_sums = run if direct else np.zeros(lse.shape, dtype=acc)
 
     def rows(x):                     # each element's row-0 address (a gradient: its slot's)
         return batch_addresses(x, elements), x.strides[-2] // size
 
-    done, skip = stack(tiles, qs.ctypes.data, qs.shape[2], qs.strides[0], do.ctypes.data,
-                       do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d, p.dv,
-                       *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]), lse,
-                       delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
+    done, skip = stack(tiles, *queries, acc.type(p.scale), np.empty((p.lq, p.d), acc),
+                       do.ctypes.data, do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d,
+                       p.dv, *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]),
+                       lse, delta, row_sums, lo, hi, np.empty(n * w, acc), np.empty(n * w, acc),
                        np.empty(n, acc), SPAN_ROWS, blas.address(acc), blas.wide,
                        element_slopes(p, elements), p.diagonal_offset)
-    # the rows' sums of the elements done and of the tiles done of the next one
-    added = done + (skip > 0)
-    run = elements.view(sums.sums, 1) if isinstance(elements, ElementRun) else None
-    if run is not None:
-        run[:added] += row_sums[:added]
-    else:
-        for g, b in enumerate(elements[:added]):
-            sums.sums[b] += row_sums[g]
+    if not direct:          # the sums of the elements done and of the tiles done of the next
+        added = done + (skip > 0)
+        if run is not None:
+            run[:added] += row_sums[:added]
+        else:
+            for g, b in enumerate(elements[:added]):
+                sums.sums[b] += row_sums[g]
     return done, skip
 
 
