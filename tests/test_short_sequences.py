@@ -231,6 +231,58 @@ def test_a_nan_stays_in_the_rows_that_see_it(rng):
                     {"causal": True})
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_a_value_not_finite_reaches_only_the_gradients_it_belongs_to(rng, backward_machine,
+                                                                     monkeypatch, bad, where):
+    # element 1's query row 0 (or key 5) is not finite. Under the causal band query row 0
+    # sees key 0 alone, and keys 8 on lie in key blocks of their own, where the row sees
+    # nothing: a product over the block's rows would take 0 x inf = NaN into their dK. Rows
+    # 0-4 do not see key 5, and keep finite dQ. The other elements are as their own calls
+    # compute them.
+    monkeypatch.setattr(backward_machine, "BLOCK_K", 8)
+    q, k, v = data(rng, (4,), 24, 24, 8)
+    (q if where == "query" else k)[1, 0 if where == "query" else 5, 2] = bad
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    if where == "query":
+        assert np.isfinite(grads.dk[1, 1:]).all() and np.isfinite(grads.dq[1, 1:]).all()
+    else:
+        assert np.isfinite(grads.dq[1, :5]).all() and not np.isfinite(grads.dq[1, 5:]).all()
+    for b in (0, 2, 3):
+        alone = cuonline.attention_backward(np.ones_like(out[b]), q[b], k[b], v[b], out[b],
+                                            lse[b], causal=True)
+        for name in ("dq", "dk", "dv"):
+            np.testing.assert_array_equal(getattr(grads, name)[b], getattr(alone, name))
+
+
+@pytest.mark.parametrize("where", ["q", "dout", "k", "lse"])
+def test_a_compiled_stack_stops_at_the_first_element_not_finite(rng, backward_machine,
+                                                                monkeypatch, where):
+    # the backward's stack kernel checks each element's operands before its tiles: the
+    # elements before the first one that is not finite (or has a row that sees no key) are
+    # done, nothing of that one (its key blocks before the bad key included), and that one
+    # and those after are left to the caller's careful loop
+    monkeypatch.setattr(backward_machine, "BLOCK_K", 4)
+    q, k, v = data(rng, (5,), 16, 16, 8)
+    options = {"causal": True, "q_offset": -1} if where == "lse" else {"causal": True}
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    dout = np.ones_like(out)
+    if where == "lse":                   # rows past the keys' diagonal see none: -inf lse
+        bad = 0
+    else:
+        bad = 2
+        {"q": q, "dout": dout, "k": k}[where][bad, 13, 1] = np.inf     # key block 3
+    bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, **options)
+    p = bp.forward
+    buffers = backward_machine._zeroed_buffers(
+        {name: t.padded(1) for name, t in bp.targets.items()}, p.acc_dtype)
+    sums = backward_machine.RowSums(p)
+    done = backward_machine._compiled_stack(bp, ElementRun((5,), 0, 5), buffers, sums)
+    assert done == (bad, 0)
+    assert (sums.sums[:bad] > 0).all() and (sums.sums[bad:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_grouped_query_heads_in_16_bits(rng, dtype):
     # keys and values shared by 4 query heads (a zero-stride batch axis), Dv != D, float16
