@@ -87,13 +87,19 @@ def row_sum_tolerance(xp, acc_dtype, n_keys, lse, logit_terms, products=0.0):
     products : float or array broadcast against ``lse``
         ``R`` of each row (:func:`product_bound`); a NaN counts as infinite (not judged).
     """
-    eps = float(np.finfo(acc_dtype).eps)
     size = xp.asarray(lse, dtype=xp.float64)
     size = xp.where(xp.isfinite(size), xp.abs(size), 0.0)
     n = xp.asarray(n_keys, dtype=xp.float64)
     r = xp.asarray(products, dtype=xp.float64)
     r = xp.where(xp.isnan(r), xp.inf, r)
-    return eps * (n + (logit_terms + 4) * (size + r + xp.log1p(n) + 1))
+    return _tolerance(acc_dtype, n, size, r, logit_terms, xp.log1p)
+
+
+def _tolerance(acc_dtype, n, size, r, logit_terms, log1p):
+    """The bound's formula, on arrays (``log1p`` an array library's) or on floats
+    (``math.log1p``): ``n`` keys, ``size`` = ``|lse|``, ``r`` = R."""
+    eps = float(np.finfo(acc_dtype).eps)
+    return eps * (n + (logit_terms + 4) * (size + r + log1p(n) + 1))
 
 
 def row_norms(xp, x):
@@ -245,12 +251,12 @@ def _within_the_least_bound(xp, row_sums, acc_dtype, n_keys, logit_terms):
     """Whether every row's sum (float64) is within the bound of ``|lse| = R = 0`` and the
     fewest keys, the least of the rows' bounds (each grows with ``|lse|``, ``R`` and the
     keys): then every row passes and the rest of the check is not needed. Most genuine
-    ``lse`` are; a NaN sum, and the 0 of a row given ``lse = -inf``, are not. Two comparisons
-    a row, where the whole check makes about 15 passes over the rows."""
+    ``lse`` are; a NaN sum, and the 0 of a row given ``lse = -inf``, are not. The least and
+    the most of the sums, where the whole check makes about 15 passes over the rows."""
     fewest = float(xp.min(xp.asarray(n_keys))) if np.ndim(n_keys) else float(n_keys)
-    tol = float(row_sum_tolerance(np, acc_dtype, fewest, 0.0, logit_terms)) * (1 - 1e-6)
-    low, high = math.exp(-tol), math.exp(tol)        # within them, |log sum| <= the bound
-    return bool(((row_sums >= low) & (row_sums <= high)).all())
+    tol = _tolerance(acc_dtype, fewest, 0.0, 0.0, logit_terms, math.log1p) * (1 - 1e-6)
+    # within these, |log sum| <= the bound; a NaN makes the least and the most NaN
+    return bool(row_sums.min() >= math.exp(-tol)) and bool(row_sums.max() <= math.exp(tol))
 
 
 def _offset(total):
