@@ -275,12 +275,40 @@ def test_a_compiled_stack_stops_at_the_first_element_not_finite(rng, backward_ma
         {"q": q, "dout": dout, "k": k}[where][bad, 13, 1] = np.inf     # key block 3
     bp = _validate.validate_attention_backward(dout, q, k, v, out, lse, **options)
     p = bp.forward
-    buffers = backward_machine._zeroed_buffers(
+    buffers = backward_machine._gradient_buffers(
         {name: t.padded(1) for name, t in bp.targets.items()}, p.acc_dtype)
     sums = backward_machine.RowSums(p)
     done = backward_machine._compiled_stack(bp, ElementRun((5,), 0, 5), buffers, sums)
     assert done == (bad, 0)
     assert (sums.sums[:bad] > 0).all() and (sums.sums[bad:] == 0).all()
+
+
+@pytest.mark.parametrize("where", [None, "k", "lse"])
+def test_a_stack_zeroes_the_gradient_slots_it_owns(rng, backward_machine, monkeypatch, where):
+    # the engine hands a stack of elements with slots of their own its gradient buffers
+    # unzeroed: whatever they held, the gradients come out the same, whether the kernel
+    # does every element, stops at one (a key not finite) or does none (a row with no key)
+    monkeypatch.setattr(backward_machine, "BLOCK_K", 4)
+    q, k, v = data(rng, (5,), 16, 16, 8)
+    options = {"causal": True, "q_offset": -1} if where == "lse" else {"causal": True}
+    if where == "k":
+        k[2, 13, 1] = np.inf
+    out, lse = cuonline.attention(q, k, v, return_lse=True, **options)
+    bp = _validate.validate_attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+    shapes = {name: t.padded(1) for name, t in bp.targets.items()}
+    task = (ElementRun((5,), 0, 5), "stack", None, None)
+    results = []
+    for fill in (0.0, np.nan, 7.0):
+        buffers = backward_machine._gradient_buffers(shapes, bp.forward.acc_dtype, False)
+        for buffer in buffers.values():
+            buffer[...] = fill
+        backward_machine._run_task(bp, task, buffers, backward_machine.RowSums(bp.forward))
+        results.append(buffers)
+    for name in shapes:
+        np.testing.assert_array_equal(results[1][name], results[0][name])
+        np.testing.assert_array_equal(results[2][name], results[0][name])
+    grads = cuonline.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+    np.testing.assert_array_equal(results[0]["k"], grads.dk)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

@@ -495,8 +495,18 @@ def _finite_rows(address, rows, ld, width, like):
     return check == zero
 
 
+@numba.njit(fastmath=_tile_kernels.FASTMATH, error_model="numpy")
+def _zero_rows(address, rows, ld, width, like):
+    """The ``rows`` rows of ``width`` numbers (``ld`` apart) from ``address`` set to 0."""
+    zero = like.dtype.type(0)
+    x = numba.carray(_pointer(address, zero), (rows, ld))
+    for i in range(rows):
+        for c in range(width):
+            x[i, c] = zero
+
+
 def _backward_stack(tiles, qs, ldq, scale, queries, do, ldo, do_step, ks, ldk, vs, ldv, d, dv,
-                    dqs, lddq, dks, lddk, dvs, lddv, lse, delta, sums, lo0, hi0, s, ds,
+                    dqs, lddq, dks, lddk, dvs, lddv, clear, lse, delta, sums, lo0, hi0, s, ds,
                     row_sums, span_rows, gemm, wide, slopes, diag0):
     full_vector_width()
     zero = s.dtype.type(0)
@@ -534,6 +544,10 @@ def _backward_stack(tiles, qs, ldq, scale, queries, do, ldo, do_step, ks, ldk, v
             finite = finite and lse[g, i] != -np.inf
         if not finite:
             break
+        if clear > 0:                   # the element's own slots, zeroed as it starts
+            _zero_rows(dqs[g], n, lddq, d, s)
+            _zero_rows(dks[g], clear, lddk, d, s)
+            _zero_rows(dvs[g], clear, lddv, dv, s)
         slope = slopes[g] if alibi else zero
         done = _backward_tiles(tiles, scaled, d, do + g * do_step, ldo, ks[g], ldk, vs[g], ldv,
                                d, dv, dqs[g], lddq, dks[g], lddk, dvs[g], lddv, lse[g],
@@ -573,6 +587,11 @@ do, ldo, do_step : int
 ks, vs, dqs, dks, dvs : (G,) int64 arrays
     Addresses of row 0 of each element's keys, values and gradient slots; ``ld*``: their row
     strides in elements (the same for every element).
+clear : int
+    0 where the gradient slots come zeroed; else each element's own slots are zeroed as its
+    turn comes (its dQ rows and ``clear`` rows of dK and dV, all its keys'), in the cache
+    its products then add into, and the slots of the elements not reached are left as
+    they are.
 lse, delta, sums : (G, n) arrays
     Each element's rows' log-sum-exp, ``Delta`` and sums of P (added to).
 slopes, diag0 : (G,) array of the dtype (or empty), int
@@ -638,9 +657,9 @@ def _warm_up_backward_stack(dtype):
     z = np.zeros((0, 1), dtype)
     none = np.zeros(0, np.int64)
     backward_stack(np.zeros((0, 4), np.int64), none, 1, dtype.type(1), np.zeros((0, 1), dtype),
-                   0, 1, 0, none, 1, none, 1, 1, 1, none, 1, none, 1, none, 1, z, z, z, none,
-                   none, np.zeros(1, dtype), np.zeros(1, dtype), np.zeros(1, dtype), 128, 0,
-                   False, np.zeros(0, dtype), 0)
+                   0, 1, 0, none, 1, none, 1, 1, 1, none, 1, none, 1, none, 1, 0, z, z, z,
+                   none, none, np.zeros(1, dtype), np.zeros(1, dtype), np.zeros(1, dtype), 128,
+                   0, False, np.zeros(0, dtype), 0)
 
 
 _WARM_UP = {"forward_stack": (forward_stack, _warm_up_stack),
