@@ -301,27 +301,36 @@ def _blas_exit():
             _restore_blas(limiter)
 
 
-_blas_controller = None
+_blas_libraries = None
 
 
 def _limit_blas():
-    """Every BLAS library loaded here held to one thread; returns the limiter that knows the
-    counts to restore (:func:`_restore_blas`)."""
-    global _blas_controller
-    if _blas_controller is None:
+    """Every BLAS library loaded here held to one thread; returns what :func:`_restore_blas`
+    gives back: ``[(library, its count), ...]`` for those that had another count. Each
+    library's own calls (threadpoolctl's controllers, found once), without threadpoolctl's
+    ``limit``, which read every library's whole description each time (25 us a call)."""
+    global _blas_libraries
+    if _blas_libraries is None:
         # found once: a ThreadpoolController scans the loaded libraries (about 1 ms)
         from threadpoolctl import ThreadpoolController
 
-        _blas_controller = ThreadpoolController().select(user_api="blas")
+        _blas_libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+    held = []
     try:
-        return _blas_controller.limit(limits=1)
+        for library in _blas_libraries:
+            count = library.get_num_threads()
+            if count is not None and count != 1:
+                library.set_num_threads(1)
+                held.append((library, count))
     finally:
         _release_openblas()
+    return held
 
 
-def _restore_blas(limiter):
+def _restore_blas(held):
     try:
-        limiter.restore_original_limits()
+        for library, count in held:
+            library.set_num_threads(count)
     finally:
         _release_openblas()
 
