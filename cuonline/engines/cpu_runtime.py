@@ -122,6 +122,10 @@ class ElementRun(Sequence):
         ``shape``, or broadcast to it, then ``tail`` more), or None where the batch axes do
         not merge into one axis without a copy."""
         extra = x.ndim - tail - len(self.shape)        # x's batch axes end where shape's do
+        if any(x.shape[extra + i] not in (1, n) for i, n in enumerate(self.shape)
+               if extra + i >= 0):
+            raise ValueError(f"an array of shape {x.shape} does not broadcast to the batch "
+                             f"{self.shape} (then {tail} more axes)")
         axes = [(n, 0 if extra + i < 0 or x.shape[extra + i] == 1 else x.strides[extra + i])
                 for i, n in enumerate(self.shape) if n != 1]
         if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
@@ -308,7 +312,8 @@ def _limit_blas():
     """Every BLAS library loaded here held to one thread; returns what :func:`_restore_blas`
     gives back: ``[(library, its count), ...]`` for those that had another count. Each
     library's own calls (threadpoolctl's controllers, found once), without threadpoolctl's
-    ``limit``, which read every library's whole description each time (25 us a call)."""
+    ``limit``, which read every library's whole description each time (a limit and its
+    restore: 13.6 us in a loop on machine C, 6.6 us this way)."""
     global _blas_libraries
     if _blas_libraries is None:
         # found once: a ThreadpoolController scans the loaded libraries (about 1 ms)

@@ -77,8 +77,9 @@ def attention_backward(bp: BackwardProblem) -> Gradients:
     targets = bp.targets
     n_workers = workers() if p.workers is None else p.workers
     tasks = _plan(p, targets)
-    # stacks of elements with slots of their own zero them as they come (_compiled_stack)
-    zeroed = not (_own_slots(p.batch_shape, targets)
+    # stacks of elements with slots of their own zero them as they come (_compiled_stack):
+    # the gradients of q, k and v, the only ones a stack takes
+    zeroed = not (set(targets) == {"q", "k", "v"} and _own_slots(p.batch_shape, targets)
                   and all(part == "stack" for _, part, _, _ in tasks))
     buffers = _gradient_buffers({name: t.padded(len(p.batch_shape))
                                  for name, t in targets.items()}, acc, zeroed)
