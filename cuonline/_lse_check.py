@@ -141,7 +141,7 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None,
     if sequences is None:
         seen = largest(keys)[..., None]
     else:
-        seen = _largest_per_sequence(xp, xp.where(xp.isnan(keys), 0.0, keys), *sequences)
+        seen = _largest_per_sequence(xp, keys, *sequences)
     bound = abs(float(scale)) * row_norms(xp, q) * seen              # any sign of the scale
     if rel_q is not None:
         bound = bound + row_norms(xp, rel_q) * largest(row_norms(xp, rel_k))[..., None]
@@ -150,7 +150,9 @@ def product_bound(xp, q, k, scale, *, kv_lengths=None, rel_q=None, rel_k=None,
 
 def _largest_per_sequence(xp, keys, cu_q, cu_k):
     """``(..., Lq)``: for each packed query row, the largest of ``keys`` (..., Lk) over its
-    sequence's keys, 0 where the sequence has none."""
+    sequence's keys, NaN left out (as :func:`product_bound`'s ``largest``), 0 where the
+    sequence has none."""
+    keys = xp.where(xp.isnan(keys), 0.0, keys)
     cu_q, cu_k = np.asarray(cu_q), np.asarray(cu_k)
     largest = xp.zeros(keys.shape[:-1] + (len(cu_k) - 1,))
     filled = np.flatnonzero(np.diff(cu_k))

@@ -606,6 +606,28 @@ def test_the_row_sum_rule_itself():
         check([np.exp(2 * big)], [2.0], products=products(50.0))
 
 
+def test_rows_within_the_least_bound_pass_without_the_full_check(monkeypatch):
+    """docs/semantics.md: rows within the bound of |lse| = R = 0 and the fewest keys pass at
+    once, on the sums' least and most; a row past it (or a row given lse = -inf, or part of
+    the keys) takes the full check, the row-by-row bound."""
+    from cuonline import _lse_check
+
+    def full(*args, **kw):
+        raise AssertionError("the full check ran")
+
+    least = float(_lse_check.row_sum_tolerance(np, np.float32, 8, 0.0, 16))
+    kw = dict(acc_dtype=np.float32, n_keys=np.array([[8], [100]]), logit_terms=16)
+    sums = np.full((2, 3), np.exp(least / 2))
+    with monkeypatch.context() as m:
+        m.setattr(_lse_check, "row_sum_tolerance", full)
+        _lse_check.check_row_sums(np, sums, np.zeros((2, 3)), **kw)
+        for lse, sums_, all_keys in ((np.zeros((2, 3)), sums * np.exp(least), None),
+                                     (np.full((2, 3), -np.inf), sums * 0, None),
+                                     (np.zeros((2, 3)), sums, False)):
+            with pytest.raises(AssertionError, match="full check"):
+                _lse_check.check_row_sums(np, sums_, lse, all_keys=all_keys, **kw)
+
+
 @pytest.mark.parametrize("scale", [0.5, -0.5])
 def test_an_lse_within_the_bound_of_its_products_is_accepted(scale):
     """An lse off by more than the bound without the products' term R, less than the one
