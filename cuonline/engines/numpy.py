@@ -84,32 +84,7 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
         out = np.zeros(p.batch_shape + (p.lq, p.dv), dtype=p.dtype)
         lse = np.full(p.batch_shape + (p.lq,), -np.inf, dtype=p.acc_dtype)
     if stacks is not None:
-        # a stack is a run of consecutive elements: one slice of the (fresh, C-ordered) results
-        flat_out = out.reshape((p.nbatch, p.lq, p.dv))
-        flat_lse = lse.reshape((p.nbatch, p.lq))
-
-        def prepared(task):
-            elements, i0, i1, j0, j1 = task
-            rows = slice(elements.start, elements.stop)
-            # whole elements in the accumulation dtype: the walk writes into the result
-            target = (flat_out[rows] if i1 - i0 == p.lq and p.dtype == p.acc_dtype
-                      else None)
-            walk = (stacked_walk(p, elements, i0, i1, j0, j1, target)
-                    or (lambda: _stacked_products(p, elements, i0, i1, j0, j1)))
-
-            def run():
-                o, flat_lse[rows, i0:i1] = walk()
-                if o is not target:
-                    flat_out[rows, i0:i1] = o
-
-            return run
-
-        # every stack's compiled call made first, in this thread (stacked_walk); the longest
-        # first: under a causal band, the lower blocks see more keys
-        runs = [prepared(task) for task in stacks]
-        run_tasks(range(len(stacks)), lambda i: runs[i](), n_workers,
-                  cost=lambda i: len(stacks[i][0]) * (stacks[i][2] - stacks[i][1])
-                  * (stacks[i][4] - stacks[i][3]))
+        _run_stacks(p, stacks, out, lse, n_workers)
         return out, (lse if p.return_lse else None)
     blocks = plan(p)
     tasks = [(b, i0, i1, ja, jb) for (b, i0, i1), ranges in blocks.items() for ja, jb in ranges]
@@ -131,6 +106,67 @@ def attention(p: Problem) -> tuple[np.ndarray, Any]:
                 np, [o for o, _ in parts], [s for _, s in parts]
             )
     return out, (lse if p.return_lse else None)
+
+
+def _run_stacks(p, stacks, out, lse, n_workers):
+    """:func:`stack_plan`'s ``stacks`` run into the (fresh, C-ordered) results ``out`` and
+    ``lse``.
+
+    Every stack's compiled call is made first, in this thread (:meth:`StackWalks.call`),
+    while the interpreter's data are still in the caches; the longest stack runs first
+    (under a causal band, the lower blocks see more keys). A compiled stack's thread runs its
+    kernel only (and copies its outputs where they are not written in place): the rows'
+    ``lse`` and the elements whose outputs were not finite (redone by :func:`_attend`'s
+    careful path) are worked out here after every stack, once for each query block of the
+    batch. (Done by each stack's thread, the two threads, finishing together, handed the GIL
+    to and fro across NumPy's calls: 0.15 ms of a 1.7 ms call of 64 heads of 128 queries on
+    machine C.)"""
+    acc_t = p.acc_dtype
+    # a stack is a run of consecutive elements: one slice of the results
+    flat_out = out.reshape((p.nbatch, p.lq, p.dv))
+    flat_lse = lse.reshape((p.nbatch, p.lq))
+    # each query block's walks and its rows' m, l and finiteness over the batch, or None where
+    # the compiled walk does not apply
+    spans = {}
+
+    def prepared(task):
+        elements, i0, i1, j0, j1 = task
+        rows = slice(elements.start, elements.stop)
+        if (i0, i1, j0, j1) not in spans:
+            walks = StackWalks(p, i0, i1, j0, j1)
+            spans[i0, i1, j0, j1] = None if not walks.found else (
+                walks, np.full((p.nbatch, i1 - i0), -np.inf, dtype=acc_t),
+                np.zeros((p.nbatch, i1 - i0), dtype=acc_t), np.empty(p.nbatch, dtype=np.bool_))
+        found = spans[i0, i1, j0, j1]
+        if found is None:
+            def products():
+                flat_out[rows, i0:i1], flat_lse[rows, i0:i1] = _stacked_products(
+                    p, elements, i0, i1, j0, j1)
+
+            return products
+        walks, m, l, finite = found
+        # whole elements in the accumulation dtype: the walk writes into the result
+        target = flat_out[rows] if i1 - i0 == p.lq and p.dtype == acc_t else None
+        walk = walks.call(elements, m[rows], l[rows], finite[rows], target)
+
+        def run():
+            o = walk()
+            if o is not target:
+                flat_out[rows, i0:i1] = o
+
+        return run
+
+    runs = [prepared(task) for task in stacks]
+    run_tasks(range(len(stacks)), lambda i: runs[i](), n_workers,
+              cost=lambda i: len(stacks[i][0]) * (stacks[i][2] - stacks[i][1])
+              * (stacks[i][4] - stacks[i][3]))
+    for (i0, i1, j0, j1), found in spans.items():
+        if found is not None:
+            _, m, l, finite = found
+            flat_lse[:, i0:i1] = _lse(m, l, acc_t)
+            for e in np.flatnonzero(~finite):
+                flat_out[e, i0:i1], flat_lse[e, i0:i1] = _attend(
+                    p, ElementRun(p.batch_shape, e, e + 1)[0], i0, i1, j0, j1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,15 +287,21 @@ def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     ``(G, n)``, of the queries ``[i0, i1)`` (``n`` of them) of the batch ``elements`` (G of
     them) over keys ``[j0, j1)``; ``out``: an array of that shape and dtype, C-ordered (its
     values are not read), for the compiled walk to write the outputs into (then returned):
-    :func:`_attend`'s steps on the stack. Where :func:`_stack_walk` finds the compiled walk,
-    it runs the elements in one call (:func:`_compiled_walks`: each element's scaled queries,
-    tiles, products, tile kernel and normalisation those of a task of its own, so the same
-    bits, and no GIL held); else, keys in one tile, each product is one batched call (BLAS per
-    element, the same products as :func:`_attend`'s Python loop), and keys past one tile,
-    :func:`_attend` per element. An element whose output is not finite is redone by
-    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
-    walk = stacked_walk(p, elements, i0, i1, j0, j1, out)
-    return walk() if walk is not None else _stacked_products(p, elements, i0, i1, j0, j1)
+    :func:`_attend`'s steps on the stack. Where :class:`StackWalks` finds the compiled walk,
+    it runs the elements in one call (each element's scaled queries, tiles, products, tile
+    kernel and normalisation those of a task of its own, so the same bits, and no GIL held);
+    else, keys in one tile, each product is one batched call (BLAS per element, the same
+    products as :func:`_attend`'s Python loop), and keys past one tile, :func:`_attend` per
+    element. An element whose output is not finite is redone by :func:`_attend` (its careful
+    path keeps NaN in the rows that see it)."""
+    acc_t = p.acc_dtype
+    m = np.full((len(elements), i1 - i0), -np.inf, dtype=acc_t)
+    l = np.zeros((len(elements), i1 - i0), dtype=acc_t)
+    walked = _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out)
+    if walked is None:
+        return _stacked_products(p, elements, i0, i1, j0, j1)
+    o, finite = walked
+    return _redone(p, elements, i0, i1, j0, j1, o, _lse(m, l, acc_t), finite)
 
 
 def _stacked_products(p, elements, i0, i1, j0, j1):
@@ -289,26 +331,6 @@ def _stacked_products(p, elements, i0, i1, j0, j1):
     return _redone(p, elements, i0, i1, j0, j1, o, lse, finite)
 
 
-def stacked_walk(p, elements, i0, i1, j0, j1, out=None):
-    """:func:`attend_stacked` by the compiled walk, in two steps: its arguments made now,
-    the walk run by the function returned (``walk()`` gives ``(out, lse)``); None where the
-    compiled walk does not apply. A call of :func:`attention` makes every stack's
-    arguments before its threads start, while the interpreter's data are still in the
-    caches (the pool's thread then waits for no Python of its stack under the GIL)."""
-    acc_t = p.acc_dtype
-    m = np.full((len(elements), i1 - i0), -np.inf, dtype=acc_t)
-    l = np.zeros((len(elements), i1 - i0), dtype=acc_t)
-    run = _walk_call(p, elements, i0, i1, j0, j1, m, l, out)
-    if run is None:
-        return None
-
-    def walk():
-        o, finite = run()
-        return _redone(p, elements, i0, i1, j0, j1, o, _lse(m, l, acc_t), finite)
-
-    return walk
-
-
 def _redone(p, elements, i0, i1, j0, j1, o, lse, finite):
     """``(o, lse)`` with each element whose output was not ``finite`` redone by
     :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
@@ -319,58 +341,93 @@ def _redone(p, elements, i0, i1, j0, j1, o, lse, finite):
 
 def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     """``(o, finite)`` of the queries ``[i0, i1)`` of each of the batch ``elements`` after
-    their walks over keys ``[j0, j1)``, in one compiled call
-    (:func:`._task_kernels.forward_stack`): the normalised outputs ``(G, i1 - i0, Dv)`` (in
-    ``out`` where given: C-ordered, of the accumulation dtype, its values not read), and
-    whether each element's output was finite before (the others are for the caller to redo);
-    ``m`` and ``l`` updated in place. None (nothing done) where :func:`_stack_walk` finds no
-    compiled walk: the logits of :func:`walk_score` (the plain score, ALiBi's term added in
-    the walk) of a stack of whole elements (:func:`attend_stacked`) or of one query block
-    (:func:`_compiled_walk`)."""
-    run = _walk_call(p, elements, i0, i1, j0, j1, m, l, out)
-    return None if run is None else run()
+    their walks over keys ``[j0, j1)``, in one compiled call (:class:`StackWalks`): the
+    normalised outputs ``(G, i1 - i0, Dv)`` (in ``out`` where given: C-ordered, of the
+    accumulation dtype, its values not read), and whether each element's output was finite
+    before (the others are for the caller to redo); ``m`` and ``l`` updated in place. None
+    (nothing done) where the compiled walk does not apply: the logits of :func:`walk_score`
+    (the plain score, ALiBi's term added in the walk) of a stack of whole elements
+    (:func:`attend_stacked`) or of one query block (:func:`_compiled_walk`)."""
+    walks = StackWalks(p, i0, i1, j0, j1)
+    if not walks.found:
+        return None
+    finite = np.empty(len(elements), dtype=np.bool_)
+    return walks.call(elements, m, l, finite, out)(), finite
 
 
-def _walk_call(p, elements, i0, i1, j0, j1, m, l, out=None):
-    """:func:`_compiled_walks`' compiled call, made and not run: ``run`` (``run()`` runs it and
-    returns ``(o, finite)``), or None. What it makes is small (addresses, the band, the
-    slopes); the output (unless ``out``) and the score tile are allocated when it runs, so
-    that a call's stacks, made together, hold no more than the threads running them.
+class StackWalks:
+    """The compiled walk (:func:`._task_kernels.forward_stack`) of the queries ``[i0, i1)``
+    over the keys ``[j0, j1)`` of stacks of ``p``'s batch elements: what the stacks share
+    (the kernel and its library, the window band, the tile width, the operands' row steps)
+    made once, and each stack's call by :meth:`call`. ``found``: False where the compiled
+    walk does not apply (:func:`_stack_walk`; :meth:`call` then may not be called).
 
     The kernel reads each element's queries in place where CBLAS could (rows of the
-    accumulation dtype), else from one stacked copy in it (made when it runs), and scales
-    them itself."""
-    acc_t = p.acc_dtype
-    found = _stack_walk(p, elements[0])
-    if found is None:
-        return None
-    (blas, stack), size, g, n, d = found, acc_t.itemsize, len(elements), i1 - i0, p.d
-    first = p.q[elements[0]][i0:i1]       # every element a view with the same strides
-    in_place = p.q.flags.aligned and blas.reads_rows(first, acc_t)
-    if in_place:
-        queries = (batch_addresses(p.q, elements) + i0 * first.strides[0],
-                   first.strides[0] // size)
-    width = key_tile(n, *blocks(acc_t))
-    lo, hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)  # key indices
-    keys = (batch_addresses(p.k, elements), p.k.strides[-2] // size)
-    values = (batch_addresses(p.v, elements), p.v.strides[-2] // size)
-    slopes = element_slopes(p, elements)
+    accumulation dtype), else from one stacked copy in it (made when the call runs), and
+    scales them itself."""
 
-    def run():
-        if in_place:
-            qs, ldq = queries
-        else:                       # read through its addresses: `copy` lives until the end
-            copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
-            qs, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
-        o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
-        finite = np.empty(g, dtype=np.bool_)
-        scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
-        stack(qs, ldq, acc_t.type(p.scale), np.empty((n, d), dtype=acc_t), *keys, *values, m,
-              l, o, finite, scores, j0, j1, width, lo, hi, SPAN_ROWS, blas.address(acc_t),
-              blas.wide, slopes, i0 + p.diagonal_offset)
-        return o, finite
+    def __init__(self, p, i0, i1, j0, j1):
+        self.p, self.i0, self.i1, self.j0, self.j1 = p, i0, i1, j0, j1
+        first = (0,) * len(p.batch_shape)       # every element a view with the same strides
+        found = _stack_walk(p, first)
+        self.found = found is not None
+        if found is None:
+            return
+        acc_t = p.acc_dtype
+        self.blas, self.kernel = found
+        size = acc_t.itemsize
+        rows = p.q[first][i0:i1]
+        self.in_place = p.q.flags.aligned and self.blas.reads_rows(rows, acc_t)
+        self.q_row, self.ldq = i0 * rows.strides[0], rows.strides[0] // size
+        self.ldk, self.ldv = p.k.strides[-2] // size, p.v.strides[-2] // size
+        self.width = key_tile(i1 - i0, *blocks(acc_t))
+        self.lo, self.hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)
+        self.batch = None   # every batch element's (q, k, v) addresses, for runs of them
 
-    return run
+    def _addresses(self, elements):
+        """The addresses of the ``elements``' queries (their row 0), keys and values: for a
+        run of the batch whose axes merge, slices of the whole batch's, made once."""
+        p = self.p
+        if isinstance(elements, ElementRun) and elements.shape == p.batch_shape:
+            if self.batch is None:
+                whole = ElementRun(p.batch_shape, 0, p.nbatch)
+                self.batch = [whole.addresses(x) for x in (p.q, p.k, p.v)]
+            if all(a is not None for a in self.batch):
+                return [a[elements.start:elements.stop] for a in self.batch]
+        return [batch_addresses(x, elements) for x in (p.q, p.k, p.v)]
+
+    def call(self, elements, m, l, finite, out=None):
+        """The call of the stack of batch ``elements`` (G of them), made and not run:
+        ``run``; ``run()`` runs it and returns the normalised outputs ``(G, i1 - i0, Dv)``
+        (in ``out`` where given: C-ordered, of the accumulation dtype, its values not read).
+        ``m``, ``l`` ((G, n), C-ordered; -inf and 0 in) are updated in place, and ``finite``
+        ((G,)) set to whether each element's output was finite before its division (the
+        others are for the caller to redo). What it makes is small (addresses, the slopes);
+        the output (unless ``out``) and the score tile are allocated when it runs, so that a
+        call's stacks, made together, hold no more than the threads running them."""
+        p, acc_t = self.p, self.p.acc_dtype
+        g, n, d, i0, i1 = len(elements), self.i1 - self.i0, p.d, self.i0, self.i1
+        j0, j1, width, in_place = self.j0, self.j1, self.width, self.in_place
+        qs, ks, vs = self._addresses(elements)
+        queries = (qs + self.q_row, self.ldq)
+        keys, values = (ks, self.ldk), (vs, self.ldv)
+        band, slopes, stack = (self.lo, self.hi), element_slopes(p, elements), self.kernel
+        scale, gemm, wide = acc_t.type(p.scale), self.blas.address(acc_t), self.blas.wide
+
+        def run():
+            if in_place:
+                q, ldq = queries
+            else:                   # read through its addresses: `copy` lives until the end
+                copy = np.stack([p.q[b][i0:i1] for b in elements], dtype=acc_t)
+                q, ldq = copy.ctypes.data + np.arange(g, dtype=np.int64) * copy.strides[0], d
+            o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
+            scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
+            stack(q, ldq, scale, np.empty((n, d), dtype=acc_t), *keys, *values, m, l, o,
+                  finite, scores, j0, j1, width, *band, SPAN_ROWS, gemm, wide, slopes,
+                  i0 + p.diagonal_offset)
+            return o
+
+        return run
 
 
 def element_slopes(p, elements):
