@@ -154,6 +154,42 @@ def test_a_failing_task_raises_in_the_caller_and_restores_blas(rng, monkeypatch)
     assert cuonline.attention(q, k, v, workers=2).shape == (3, 600, 8)   # the pool still works
 
 
+@pytest.mark.parametrize("library", ["openblas", "mkl"], indirect=True)
+def test_stacks_hold_numpys_blas_only_where_their_products_could_thread(library, rng,
+                                                                        monkeypatch):
+    # a call's tasks hold NumPy's BLAS to one thread where they may call a BLAS that threads
+    # (OpenBLAS, which the compiled stacks then call too); compiled stacks whose products go
+    # to MKL's sequential layer leave it as the user set it (no hold and release a call)
+    from cuonline.engines import cpu_runtime
+
+    seen = []
+    real = numpy_engine.StackWalks.call
+
+    def call(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        return lambda: (seen.append(blas_threads()), run())[1]
+
+    monkeypatch.setattr(numpy_engine.StackWalks, "call", call)
+    monkeypatch.setattr(numpy_engine, "cores_for", lambda scores, products: 2)
+    q, k, v = data(rng, (4,), 40, 40, 8)
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        counts = blas_threads()
+        if not counts or max(counts) < 2:
+            pytest.skip(f"BLAS runs on {counts} threads here: a hold to 1 would not show")
+        out = cuonline.attention(q, k, v, workers=2)
+        assert len(seen) == 2                                  # two stacks, each compiled
+        if library == "openblas":
+            assert all(set(threads) == {1} for threads in seen)
+        else:
+            assert seen == [counts, counts]
+        counts = blas_threads()
+        assert max(counts) == 2
+        for hold in (True, False):
+            seen = cpu_runtime.run_tasks(range(2), lambda i: blas_threads(), 2, hold_blas=hold)
+            assert seen == ([[1] * len(counts)] * 2 if hold else [counts] * 2)
+    np.testing.assert_array_equal(out, cuonline.attention(q, k, v, workers=1))
+
+
 # --------------------------------------------------------------------------------------------
 # workers=
 

@@ -72,8 +72,11 @@ class Cblas:
     """``cblas_sgemm`` and ``cblas_dgemm`` of one loaded library, called by ctypes (which
     releases the GIL for the call, so the engines' threads run their products at once)."""
 
-    def __init__(self, name, handle, sgemm, dgemm, int_type, version):
+    def __init__(self, name, handle, sgemm, dgemm, int_type, version, sequential=False):
         self.name, self.version = name, version
+        # True where the library runs each product on the calling thread alone (MKL's
+        # sequential layer), whatever NumPy's BLAS is held to
+        self.sequential = sequential
         self._handle = handle                    # keeps the library loaded
         self.path = getattr(handle, "_name", "")
         # the largest size or leading dimension the library's integers hold
@@ -300,7 +303,8 @@ def _mkl():
             continue
         if setters[2](_MKL_CBWR_AUTO) != _MKL_CBWR_SUCCESS:
             continue
-        return Cblas("mkl", handle, sgemm, dgemm, ctypes.c_int, f"mkl {_mkl_version(handle)}")
+        return Cblas("mkl", handle, sgemm, dgemm, ctypes.c_int, f"mkl {_mkl_version(handle)}",
+                     sequential=True)
     return None
 
 

@@ -157,9 +157,11 @@ def _run_stacks(p, stacks, out, lse, n_workers):
         return run
 
     runs = [prepared(task) for task in stacks]
+    # compiled stacks on a sequential library call no BLAS that threads: no hold to make
+    hold = any(found is None or not found[0].blas.sequential for found in spans.values())
     run_tasks(range(len(stacks)), lambda i: runs[i](), n_workers,
               cost=lambda i: len(stacks[i][0]) * (stacks[i][2] - stacks[i][1])
-              * (stacks[i][4] - stacks[i][3]))
+              * (stacks[i][4] - stacks[i][3]), hold_blas=hold)
     for (i0, i1, j0, j1), found in spans.items():
         if found is not None:
             _, m, l, finite = found
