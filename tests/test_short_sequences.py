@@ -231,6 +231,33 @@ def test_a_nan_stays_in_the_rows_that_see_it(rng):
                     {"causal": True})
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_elements_not_finite_in_stacks_of_several_blocks_are_redone_in_place(
+        rng, monkeypatch, dtype):
+    # query blocks of 64 rows stacked over a batch of 3 x 4: the calling thread works out
+    # each block's lse and redoes the elements whose outputs were not finite after every
+    # stack has run; each such element must land at its own place of the batch and block
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 64)
+    q, k, v = data(rng, (3, 4), 150, 150, 8, dtype)
+    v[2, 1, 100, 0] = np.nan                       # element 9, seen by rows 100- (block 1, 2)
+    q[0, 3, 140, 2] = np.inf                       # element 3, its row 140 only (block 2)
+    p = _validate.validate_attention(q, k, v, causal=True)
+    stacks = numpy_engine.stack_plan(p)
+    assert len({(i0, i1) for _, i0, i1, _, _ in stacks}) == 3
+    assert len({(e.start, e.stop) for e, *_ in stacks}) >= 2
+    out, lse = cuonline.attention(q, k, v, causal=True, return_lse=True)
+    want, want_lse = per_element(
+        monkeypatch, lambda: cuonline.attention(q, k, v, causal=True, return_lse=True))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    assert np.isnan(out[2, 1, 100:, 0]).all() and np.isfinite(out[2, 1, :100]).all()
+    assert np.isnan(out[0, 3, 140]).all() and np.isfinite(np.delete(out[0, 3], 140, 0)).all()
+    clean = np.ones((3, 4), dtype=bool)
+    clean[2, 1] = clean[0, 3] = False
+    assert np.isfinite(out[clean]).all()
+    check_attention(q[clean], k[clean], v[clean], out[clean], lse[clean], {"causal": True})
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["query", "key"])
 def test_a_value_not_finite_reaches_only_the_gradients_it_belongs_to(rng, backward_machine,
