@@ -17,6 +17,7 @@ import cuonline
 from cuonline.engines import _tile_kernels as tk  # numba is a core dependency
 from cuonline.engines import cpu_runtime
 from cuonline.engines import numpy as numpy_engine
+from cuonline.engines.numpy_scores import ScorePipeline, group_rows
 
 # the dtype, the input range, and how far the result may be from the reference, in ulps
 EXP_CASES = [(np.float32, -104.0, 1.0), (np.float64, -745.0, 1.0)]
@@ -632,8 +633,6 @@ def test_backward_with_and_without_the_kernel_agree(dtype, options, rng, monkeyp
 def spans_of_crossed_tiles(engine, monkeypatch):
     """64 x 64 tiles and groups of 16 rows in ``engine``; returns the list that receives what
     every ``ScorePipeline.row_spans`` call returns."""
-    from cuonline.engines.numpy_scores import ScorePipeline
-
     monkeypatch.setattr(engine, "BLOCK_Q", 64)
     monkeypatch.setattr(engine, "BLOCK_K", 64)
     monkeypatch.setattr(engine, "SPAN_ROWS", 16)
@@ -664,9 +663,35 @@ def test_products_over_the_visible_columns_only(options, rng, monkeypatch):
     assert used                                           # some tile took the spans
     assert all(c0 <= c1 for s in used for _, _, c0, c1 in s)
     assert any(c1 - c0 < 64 for s in used for _, _, c0, c1 in s)
-    monkeypatch.setattr(numpy_engine, "SPAN_ROWS", 10**9)  # one product per tile
+    monkeypatch.setattr(ScorePipeline, "row_spans", lambda *args: None)  # one product a tile
     np.testing.assert_allclose(got, cuonline.attention(q, k, v, **options), rtol=1e-13,
                                atol=1e-13)
+
+
+@pytest.mark.parametrize("rows, most, want", [(512, 128, 128), (256, 128, 64), (128, 128, 32),
+                                              (64, 128, 16), (40, 128, 16), (16, 128, 16),
+                                              (512, 16, 16), (100, 10**9, 25)])
+def test_a_crossed_tile_is_cut_into_four_groups_of_rows(rows, most, want):
+    assert group_rows(rows, most) == want
+
+
+def test_a_short_causal_tile_multiplies_each_quarter_of_its_rows_by_the_keys_it_sees(
+        rng, monkeypatch):
+    # 128 queries and keys: one tile, the causal diagonal; four groups of 32 rows, group g
+    # multiplied by keys [0, 32 (g + 1)) (one group of 128 rows, before: the whole tile)
+    monkeypatch.setattr(numpy_engine, "_compiled_walk", lambda *args: None)  # the Python loop
+    monkeypatch.setattr(numpy_engine, "BLOCK_Q", 512)
+    monkeypatch.setattr(numpy_engine, "BLOCK_K", 512)
+    spans = []
+    real = ScorePipeline.row_spans
+    monkeypatch.setattr(ScorePipeline, "row_spans",
+                        lambda self, *args: spans.append(real(self, *args)) or spans[-1])
+    q, k, v = (rng.standard_normal((128, 16)).astype(np.float32) for _ in range(3))
+    out = cuonline.attention(q, k, v, causal=True)
+    assert spans == [[(32 * g, 32 * g + 32, 0, 32 * g + 32) for g in range(4)]]
+    monkeypatch.setattr(ScorePipeline, "row_spans", lambda *args: None)  # one product a tile
+    np.testing.assert_allclose(out, cuonline.attention(q, k, v, causal=True), rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("options", [{"causal": True}, {"window": (40, 9)}],
@@ -693,7 +718,7 @@ def test_backward_products_over_the_visible_columns_only(options, rng, monkeypat
     for other in runs.values():
         for name in ("dq", "dk", "dv"):
             assert getattr(first, name).tobytes() == getattr(other, name).tobytes(), name
-    monkeypatch.setattr(numpy_backward, "SPAN_ROWS", 10**9)
+    monkeypatch.setattr(ScorePipeline, "row_spans", lambda *args: None)  # one product a tile
     whole = cuonline.attention_backward(dout, q, k, v, out, lse, **options)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_allclose(getattr(first, name), getattr(whole, name), rtol=1e-12,

@@ -34,7 +34,7 @@ from .cpu_runtime import (ElementRun, cache_sizes, cores_for, run_tasks, score_t
                           tile_kernel, workers)
 from .merge import merge_states
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
-                           copy_is_large, query_diagonals, visible_product)
+                           copy_is_large, group_rows, query_diagonals, visible_product)
 
 if TYPE_CHECKING:
     from .._validate import Problem
@@ -48,9 +48,10 @@ _MACHINE_TILE = (BLOCK_Q, BLOCK_K)
 # scores, at most MAX_KEY_TILE keys): with one row, a 512-key tile is a few microseconds of
 # work against tens of microseconds of per-tile Python.
 MAX_KEY_TILE = 16384
-# Rows per group when a tile's products cover only the columns the window band shows each
-# group (ScorePipeline.row_spans): a causal diagonal tile then costs 5/8 of a full one at 4
-# groups, while each product keeps enough rows for BLAS.
+# The most rows per group when a tile's products cover only the columns the window band shows
+# each group (ScorePipeline.row_spans; numpy_scores.group_rows: four groups of a tile's rows,
+# at most these): a causal diagonal tile then costs 5/8 of a full one, while each product
+# keeps enough rows for BLAS.
 SPAN_ROWS = 128
 
 
@@ -415,6 +416,7 @@ class StackWalks:
         keys, values = (ks, self.ldk), (vs, self.ldv)
         band, slopes, stack = (self.lo, self.hi), element_slopes(p, elements), self.kernel
         scale, gemm, wide = acc_t.type(p.scale), self.blas.address(acc_t), self.blas.wide
+        span_rows = group_rows(n, SPAN_ROWS)
 
         def run():
             if in_place:
@@ -425,7 +427,7 @@ class StackWalks:
             o = np.empty((g, n, p.dv), dtype=acc_t) if out is None else out
             scores = np.empty(n * min(width, j1 - j0), dtype=acc_t)     # the widest tile's
             stack(q, ldq, scale, np.empty((n, d), dtype=acc_t), *keys, *values, m, l, o,
-                  finite, scores, j0, j1, width, *band, SPAN_ROWS, gemm, wide, slopes,
+                  finite, scores, j0, j1, width, *band, span_rows, gemm, wide, slopes,
                   i0 + p.diagonal_offset)
             return o
 
@@ -577,7 +579,8 @@ def _online(p, b, i0, i1, j_lo, j_hi, careful):
         je = min(js + width, j_hi)
         # a tile the window band crosses (the diagonal tile of causal attention): both
         # products over the columns each group of rows may see, not over the whole tile
-        spans = None if careful else pipeline.row_spans(js, width, je - js, SPAN_ROWS)
+        spans = None if careful else pipeline.row_spans(js, width, je - js,
+                                                        group_rows(n, SPAN_ROWS))
         # the kernel takes the window band from lo and hi, with no pass over the tile
         s = pipeline.logits(js, je, window=kernel is None, spans=spans)
         # rescale running state; s becomes p = exp(s - m)

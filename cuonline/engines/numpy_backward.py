@@ -42,7 +42,8 @@ from .cpu_runtime import (ElementRun, cache_sizes, cores_for, run_tasks, score_t
                           tile_kernel, workers)
 from .numpy import element_slopes, walk_score
 from .numpy_scores import (SLICE_BYTES, ScorePipeline, band_columns, blas_ready,
-                           query_diagonals, skewed, spanned_product, visible_product)
+                           group_rows, query_diagonals, skewed, spanned_product,
+                           visible_product)
 
 if TYPE_CHECKING:
     from .._validate import BackwardProblem
@@ -55,7 +56,7 @@ BLOCK_Q, BLOCK_K = score_tile(cache_sizes()["L2"], 4, live_tiles=2)
 _MACHINE_TILE = (BLOCK_Q, BLOCK_K)
 
 
-# Rows per group of a tile the window band crosses (as the forward's SPAN_ROWS).
+# The most rows per group of a tile the window band crosses (as the forward's SPAN_ROWS).
 SPAN_ROWS = 128
 
 
@@ -226,6 +227,13 @@ def stacked_gradients(bp, elements, buffers, sums):
     :mod:`.numpy_varlen`)."""
     _run_task(bp, (elements, "stack" if stack_limit(bp.forward) else "all", None, None),
               buffers, sums)
+
+
+def _span_rows(p):
+    """Rows per group of the tiles the window band crosses (``numpy_scores.group_rows`` of a
+    whole tile's rows), the same for every tile of ``p`` and every path: the compiled blocks,
+    the compiled stacks and the Python loop take the same groups, so the same bits."""
+    return group_rows(min(blocks(p.acc_dtype)[0], p.lq), SPAN_ROWS)
 
 
 def _block_tiles(p, j0, j1, query_block=None):
@@ -418,7 +426,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             # every product over the columns each group of rows may see
             spans = None
             if e.do_finite and e.qs_finite and k_finite:
-                spans = pipeline.row_spans(js, je - js, je - js, SPAN_ROWS)
+                spans = pipeline.row_spans(js, je - js, je - js, _span_rows(p))
             prob, ds, ds_content, row_sums = _tile(p, e, pipeline, i0, i1, js, je, kt, vt,
                                                    seen, spans)
             if q_part:                         # this task owns the rows' dQ: their sums too
@@ -479,7 +487,7 @@ def _compiled_block(p, e, tiles, k_blk, v_blk, j0, grads, sums, kv_part, q_part)
                   *rows(e.qs), *rows(e.do), *rows(k_blk, j0), *rows(v_blk, j0),
                   e.qs.shape[1], e.do.shape[1], *rows(dq), *rows(dk), *rows(dv),
                   e.lse, e.delta, sums.sums[e.b], lo, hi, np.empty(n * w, acc),
-                  np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, kv_part, q_part,
+                  np.empty(n * w, acc), np.empty(n, acc), _span_rows(p), kv_part, q_part,
                   blas.address(acc), blas.wide, p.alibi_slopes is not None,
                   acc.type(0 if p.alibi_slopes is None else p.alibi_slopes[e.b]),
                   p.diagonal_offset)
@@ -569,7 +577,8 @@ def _stack_kernel(bp, elements, buffers, sums, clear):
                        do.ctypes.data, do.shape[2], do.strides[0], *rows(p.k), *rows(p.v), p.d,
                        p.dv, *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]),
                        clear, lse, delta, row_sums, lo, hi, np.empty(n * w, acc),
-                       np.empty(n * w, acc), np.empty(n, acc), SPAN_ROWS, blas.address(acc),
+                       np.empty(n * w, acc), np.empty(n, acc), _span_rows(p),
+                       blas.address(acc),
                        blas.wide, element_slopes(p, elements), p.diagonal_offset)
     if not direct:          # the sums of the elements done and of the tiles done of the next
         added = done + (skip > 0)
