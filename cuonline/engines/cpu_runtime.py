@@ -121,16 +121,22 @@ class ElementRun(Sequence):
         """The step in bytes from one element's part of ``x`` to the next (batch axes
         ``shape``, or broadcast to it, then ``tail`` more), or None where the batch axes do
         not merge into one axis without a copy."""
+        # one loop, no generators: a stack's three arrays are stepped through on every call
+        shape, strides = x.shape, x.strides
         extra = x.ndim - tail - len(self.shape)        # x's batch axes end where shape's do
-        if any(x.shape[extra + i] not in (1, n) for i, n in enumerate(self.shape)
-               if extra + i >= 0):
-            raise ValueError(f"an array of shape {x.shape} does not broadcast to the batch "
-                             f"{self.shape} (then {tail} more axes)")
-        axes = [(n, 0 if extra + i < 0 or x.shape[extra + i] == 1 else x.strides[extra + i])
-                for i, n in enumerate(self.shape) if n != 1]
-        if any(s0 != s1 * n1 for (_, s0), (n1, s1) in zip(axes, axes[1:])):
+        merge, outer = True, None        # the step of the last batch axis longer than 1 so far
+        for i, n in enumerate(self.shape):
+            length = shape[extra + i] if extra + i >= 0 else 1
+            if length != 1 and length != n:
+                raise ValueError(f"an array of shape {x.shape} does not broadcast to the "
+                                 f"batch {self.shape} (then {tail} more axes)")
+            if n != 1:
+                step = 0 if length == 1 else strides[extra + i]
+                merge = merge and (outer is None or outer == step * n)
+                outer = step
+        if not merge:
             return None
-        return axes[-1][1] if axes else 0
+        return 0 if outer is None else outer
 
     def view(self, x, tail=2):
         """The elements of ``x`` (batch axes ``shape``, or broadcast to it, then ``tail``
