@@ -100,7 +100,11 @@ def option_kind(name: str) -> str:
 
 def array_options() -> tuple[str, ...]:
     """The options that are arrays, in table order."""
-    return tuple(n for n, f in _FIELDS.items() if f.metadata["kind"] == "array")
+    return _ARRAY_OPTIONS
+
+
+# read on every call, by validation and by the engines' plans: made once from the table
+_ARRAY_OPTIONS = tuple(n for n, f in _FIELDS.items() if f.metadata["kind"] == "array")
 
 
 def array_layout(name: str) -> tuple[str, ...]:
