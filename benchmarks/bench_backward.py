@@ -3,8 +3,9 @@
     python benchmarks/bench_backward.py                 # N 1024, 4096 x D 64, 128 x f32, f64
     python benchmarks/bench_backward.py --quick         # a tiny smoke run (CI)
     python benchmarks/bench_backward.py --one-core      # per-core efficiency on a busy machine
+    python benchmarks/bench_backward.py --causal yes    # the causal band (default: none)
 
-For every case (N, D, dtype) it times, on the same (B=1, H, N, D) arrays and the same output
+For every case (N, D, dtype, causal) it times, on the same (B=1, H, N, D) arrays and the same output
 gradient, the backward pass alone (both sides hold the forward's results):
 
 * ``cuonline``: ``cuonline.attention_backward`` (NumPy engine, its thread pool), deterministic;
@@ -14,7 +15,7 @@ gradient, the backward pass alone (both sides hold the forward's results):
   unfused math path cannot pass unnoticed.
 
 Throughput counts 2.5x the forward's FLOPs, 10 * Lq * Lk * D per head (the five matrix
-products of the FlashAttention-2 backward). The BLAS ceiling (a 2048^3 matrix product per
+products of the FlashAttention-2 backward), halved when causal (as bench_cpu.py counts). The BLAS ceiling (a 2048^3 matrix product per
 dtype, all cores) is measured in the same run. The summary gives the geometric mean and the
 worst of cuonline / torch, then cuonline's peak traced allocation at --memory-length beside
 the size of its gradients. Figures move with whatever else the machine does: compare ratios
@@ -38,16 +39,16 @@ import cuonline
 
 
 def torch_backward():
-    """``prepare(q, k, v, dout) -> (run, node)``: a function that runs torch's backward of SDPA
-    on these arrays and the name of the autograd node; None without torch."""
+    """``prepare(q, k, v, dout, causal) -> (run, node)``: a function that runs torch's backward
+    of SDPA on these arrays and the name of the autograd node; None without torch."""
     try:
         import torch
     except ImportError:
         return None
 
-    def prepare(q, k, v, dout):
+    def prepare(q, k, v, dout, causal):
         tq, tk, tv = (torch.from_numpy(x).requires_grad_(True) for x in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
         grad = torch.from_numpy(dout)
 
         def run():
@@ -70,6 +71,9 @@ def main(argv=None):
                         help="everything on one thread, timed as CPU time (bench_cpu.py's)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one repeat: checks that the script runs")
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="no",
+                        help="the cases with the causal band, without, or both (default: "
+                             "without, the 8 cases of docs/performance.md's tables)")
     args = parser.parse_args(argv)
     workers = use_one_core() if args.one_core else None
     if args.quick:
@@ -81,26 +85,30 @@ def main(argv=None):
     ceilings = {dt: blas_ceiling(dt, args.repeat) for dt in args.dtypes}
     print_machine("backward, " + case_title(args) + (", one core, CPU time" if args.one_core
                                                       else ""), ceilings, prepare is not None)
-    header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | cuonline | torch | torch backward"
+    header = (f"| {'N':>5} | {'D':>3} | {'dtype':<7} | causal | cuonline | torch | "
+              f"torch backward"
               f"{' ' * 32} | cuonline/torch | cuonline/BLAS | torch/BLAS |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
 
     rng = np.random.default_rng(0)
     ratios = []
-    for n, d, dt in itertools.product(args.lengths, args.dims, args.dtypes):
+    causal_cases = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    for n, d, dt, causal in itertools.product(args.lengths, args.dims, args.dtypes,
+                                              causal_cases):
         q, k, v, dout = case_inputs(rng, args, n, d, dt, 4)
-        out, lse = cuonline.attention(q, k, v, return_lse=True)
-        gflop = 10 * args.heads * n * n * d / 1e9
+        out, lse = cuonline.attention(q, k, v, return_lse=True, causal=causal)
+        gflop = 10 * args.heads * n * n * d / 1e9 / (2 if causal else 1)
         ours = gflop / best_seconds(
-            lambda: cuonline.attention_backward(dout, q, k, v, out, lse, workers=workers),
-            args.repeat)
+            lambda: cuonline.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                workers=workers), args.repeat)
         theirs, node = float("nan"), "-"
         if prepare is not None:
-            run, node = prepare(q, k, v, dout)
+            run, node = prepare(q, k, v, dout, causal)
             theirs = gflop / best_seconds(run, args.repeat)
             ratios.append(ours / theirs)
-        print(f"| {n:>5} | {d:>3} | {dt:<7} | {ours:>8.1f} | {theirs:>5.1f} | {node:<46} "
+        print(f"| {n:>5} | {d:>3} | {dt:<7} | {'yes' if causal else 'no':<6} "
+              f"| {ours:>8.1f} | {theirs:>5.1f} | {node:<46} "
               f"| {ours / theirs:>14.2f} | {ours / ceilings[dt]:>13.2f} "
               f"| {theirs / ceilings[dt]:>10.2f} |")
     if ratios:

@@ -47,14 +47,16 @@ def test_cpu_benchmark_prints_side_by_side_figures(tmp_path):
 
 def test_backward_benchmark_prints_side_by_side_figures():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--quick",
+         "--causal", "both"],
         capture_output=True, text=True, check=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     lines = result.stdout.splitlines()
     assert lines[3].startswith("BLAS ceiling") and lines[6].startswith("times: ")
     rows = [line for line in lines if line.startswith("|   256 |")]
-    assert len(rows) == 2 and all(float(row.split("|")[4]) > 0 for row in rows)
+    assert len(rows) == 4 and all(float(row.split("|")[5]) > 0 for row in rows)
+    assert [row.split("|")[4].strip() for row in rows] == ["no", "yes"] * 2
     if importlib.util.find_spec("torch") is not None:  # torch's autograd node is printed
         assert all("FlashAttention" in row for row in rows)
     assert any(line.startswith("BLAS ceiling again after the cases: ") for line in lines)
