@@ -578,8 +578,8 @@ def _stack_kernel(bp, elements, buffers, sums, clear):
                        p.dv, *rows(buffers["q"]), *rows(buffers["k"]), *rows(buffers["v"]),
                        clear, lse, delta, row_sums, lo, hi, np.empty(n * w, acc),
                        np.empty(n * w, acc), np.empty(n, acc), _span_rows(p),
-                       blas.address(acc),
-                       blas.wide, element_slopes(p, elements), p.diagonal_offset)
+                       blas.address(acc), blas.wide, element_slopes(p, elements),
+                       p.diagonal_offset)
     if not direct:          # the sums of the elements done and of the tiles done of the next
         added = done + (skip > 0)
         if run is not None:
