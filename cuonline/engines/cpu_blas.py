@@ -72,10 +72,12 @@ class Cblas:
     """``cblas_sgemm`` and ``cblas_dgemm`` of one loaded library, called by ctypes (which
     releases the GIL for the call, so the engines' threads run their products at once)."""
 
+    #: True where the library runs each product on the calling thread alone (MKL's
+    #: sequential layer), whatever NumPy's BLAS is held to
+    sequential = False
+
     def __init__(self, name, handle, sgemm, dgemm, int_type, version, sequential=False):
         self.name, self.version = name, version
-        # True where the library runs each product on the calling thread alone (MKL's
-        # sequential layer), whatever NumPy's BLAS is held to
         self.sequential = sequential
         self._handle = handle                    # keeps the library loaded
         self.path = getattr(handle, "_name", "")
