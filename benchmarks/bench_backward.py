@@ -15,11 +15,11 @@ gradient, the backward pass alone (both sides hold the forward's results):
   unfused math path cannot pass unnoticed.
 
 Throughput counts 2.5x the forward's FLOPs, 10 * Lq * Lk * D per head (the five matrix
-products of the FlashAttention-2 backward), halved when causal (as bench_cpu.py counts). The BLAS ceiling (a 2048^3 matrix product per
-dtype, all cores) is measured in the same run. The summary gives the geometric mean and the
-worst of cuonline / torch, then cuonline's peak traced allocation at --memory-length beside
-the size of its gradients. Figures move with whatever else the machine does: compare ratios
-of one run.
+products of the FlashAttention-2 backward), halved when causal (as bench_cpu.py counts). The
+BLAS ceiling (a 2048^3 matrix product per dtype, all cores) is measured in the same run. The
+summary gives the geometric mean and the worst of cuonline / torch, then cuonline's peak
+traced allocation at --memory-length beside the size of its gradients. Figures move with
+whatever else the machine does: compare ratios of one run.
 """
 
 from __future__ import annotations
