@@ -134,8 +134,8 @@ def _run_stacks(p, stacks, out, lse, n_workers):
         elements, i0, i1, j0, j1 = task
         rows = slice(elements.start, elements.stop)
         if (i0, i1, j0, j1) not in spans:
-            walks = StackWalks(p, i0, i1, j0, j1)
-            spans[i0, i1, j0, j1] = None if not walks.found else (
+            walks = stack_walks(p, i0, i1, j0, j1)
+            spans[i0, i1, j0, j1] = None if walks is None else (
                 walks, np.full((p.nbatch, i1 - i0), -np.inf, dtype=acc_t),
                 np.zeros((p.nbatch, i1 - i0), dtype=acc_t), np.empty(p.nbatch, dtype=np.bool_))
         found = spans[i0, i1, j0, j1]
@@ -163,13 +163,12 @@ def _run_stacks(p, stacks, out, lse, n_workers):
     run_tasks(range(len(stacks)), lambda i: runs[i](), n_workers,
               cost=lambda i: len(stacks[i][0]) * (stacks[i][2] - stacks[i][1])
               * (stacks[i][4] - stacks[i][3]), hold_blas=hold)
+    batch = ElementRun(p.batch_shape, 0, p.nbatch)
     for (i0, i1, j0, j1), found in spans.items():
         if found is not None:
             _, m, l, finite = found
             flat_lse[:, i0:i1] = _lse(m, l, acc_t)
-            for e in np.flatnonzero(~finite):
-                flat_out[e, i0:i1], flat_lse[e, i0:i1] = _attend(
-                    p, ElementRun(p.batch_shape, e, e + 1)[0], i0, i1, j0, j1)
+            _redone(p, batch, i0, i1, j0, j1, flat_out[:, i0:i1], flat_lse[:, i0:i1], finite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +289,7 @@ def attend_stacked(p, elements, i0, i1, j0, j1, out=None):
     ``(G, n)``, of the queries ``[i0, i1)`` (``n`` of them) of the batch ``elements`` (G of
     them) over keys ``[j0, j1)``; ``out``: an array of that shape and dtype, C-ordered (its
     values are not read), for the compiled walk to write the outputs into (then returned):
-    :func:`_attend`'s steps on the stack. Where :class:`StackWalks` finds the compiled walk,
+    :func:`_attend`'s steps on the stack. Where :func:`stack_walks` finds the compiled walk,
     it runs the elements in one call (each element's scaled queries, tiles, products, tile
     kernel and normalisation those of a task of its own, so the same bits, and no GIL held);
     else, keys in one tile, each product is one batched call (BLAS per element, the same
@@ -336,7 +335,8 @@ def _stacked_products(p, elements, i0, i1, j0, j1):
 
 def _redone(p, elements, i0, i1, j0, j1, o, lse, finite):
     """``(o, lse)`` with each element whose output was not ``finite`` redone by
-    :func:`_attend` (its careful path keeps NaN in the rows that see it)."""
+    :func:`_attend` (its careful path keeps NaN in the rows that see it); ``o`` and ``lse``
+    may be views of the results, written through."""
     for i in np.flatnonzero(~finite):
         o[i], lse[i] = _attend(p, elements[i], i0, i1, j0, j1)
     return o, lse
@@ -351,39 +351,43 @@ def _compiled_walks(p, elements, i0, i1, j0, j1, m, l, out=None):
     (nothing done) where the compiled walk does not apply: the logits of :func:`walk_score`
     (the plain score, ALiBi's term added in the walk) of a stack of whole elements
     (:func:`attend_stacked`) or of one query block (:func:`_compiled_walk`)."""
-    walks = StackWalks(p, i0, i1, j0, j1)
-    if not walks.found:
+    walks = stack_walks(p, i0, i1, j0, j1)
+    if walks is None:
         return None
     finite = np.empty(len(elements), dtype=np.bool_)
     return walks.call(elements, m, l, finite, out)(), finite
 
 
+def stack_walks(p, i0, i1, j0, j1):
+    """The :class:`StackWalks` of the queries ``[i0, i1)`` over the keys ``[j0, j1)`` of
+    ``p``'s batch elements, or None where the compiled walk does not apply
+    (:func:`_stack_walk`: every element a view with the same strides, so the first tells)."""
+    found = _stack_walk(p, (0,) * len(p.batch_shape))
+    return None if found is None else StackWalks(p, i0, i1, j0, j1, found)
+
+
 class StackWalks:
     """The compiled walk (:func:`._task_kernels.forward_stack`) of the queries ``[i0, i1)``
-    over the keys ``[j0, j1)`` of stacks of ``p``'s batch elements: what the stacks share
-    (the kernel and its library, the window band, the tile width, the operands' row steps)
-    made once, and each stack's call by :meth:`call`. ``found``: False where the compiled
-    walk does not apply (:func:`_stack_walk`; :meth:`call` then may not be called).
+    over the keys ``[j0, j1)`` of stacks of ``p``'s batch elements (``found``: the library and
+    kernel :func:`_stack_walk` gives; made by :func:`stack_walks`): what the stacks share (the
+    kernel and its library, the window band, the tile width, the row groups, the operands'
+    row steps) made once, and each stack's call by :meth:`call`.
 
     The kernel reads each element's queries in place where CBLAS could (rows of the
     accumulation dtype), else from one stacked copy in it (made when the call runs), and
     scales them itself."""
 
-    def __init__(self, p, i0, i1, j0, j1):
+    def __init__(self, p, i0, i1, j0, j1, found):
         self.p, self.i0, self.i1, self.j0, self.j1 = p, i0, i1, j0, j1
-        first = (0,) * len(p.batch_shape)       # every element a view with the same strides
-        found = _stack_walk(p, first)
-        self.found = found is not None
-        if found is None:
-            return
         acc_t = p.acc_dtype
         self.blas, self.kernel = found
         size = acc_t.itemsize
-        rows = p.q[first][i0:i1]
+        rows = p.q[(0,) * len(p.batch_shape)][i0:i1]    # every element's: the same strides
         self.in_place = p.q.flags.aligned and self.blas.reads_rows(rows, acc_t)
         self.q_row, self.ldq = i0 * rows.strides[0], rows.strides[0] // size
         self.ldk, self.ldv = p.k.strides[-2] // size, p.v.strides[-2] // size
         self.width = key_tile(i1 - i0, *blocks(acc_t))
+        self.span_rows = group_rows(i1 - i0, SPAN_ROWS)
         self.lo, self.hi = band_columns(query_diagonals(p, i0, i1), *p.window, 0, j1)
         self.batch = None   # every batch element's (q, k, v) addresses, for runs of them
 
@@ -416,7 +420,7 @@ class StackWalks:
         keys, values = (ks, self.ldk), (vs, self.ldv)
         band, slopes, stack = (self.lo, self.hi), element_slopes(p, elements), self.kernel
         scale, gemm, wide = acc_t.type(p.scale), self.blas.address(acc_t), self.blas.wide
-        span_rows = group_rows(n, SPAN_ROWS)
+        span_rows = self.span_rows
 
         def run():
             if in_place:

@@ -404,7 +404,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
     slots = {name: t[name].slot(b) for name in t}
     dq, dk, dv = (buffers[n][slots[n]] for n in ("q", "k", "v"))     # (Lq, D), (Lk, D), (Lk, Dv)
     kv_part, q_part = part in ("all", "kv"), part in ("all", "q")
-    block_k = blocks(acc)[1]
+    block_k, span_rows = blocks(acc)[1], _span_rows(p)
     for j0 in range(0, e.kv_len, block_k):                 # keys past kv_lengths: never read
         if key_block is not None and j0 != key_block:
             continue
@@ -426,7 +426,7 @@ def _one_batch_element(bp, b, buffers, sums, part="all", key_block=None, query_b
             # every product over the columns each group of rows may see
             spans = None
             if e.do_finite and e.qs_finite and k_finite:
-                spans = pipeline.row_spans(js, je - js, je - js, _span_rows(p))
+                spans = pipeline.row_spans(js, je - js, je - js, span_rows)
             prob, ds, ds_content, row_sums = _tile(p, e, pipeline, i0, i1, js, je, kt, vt,
                                                    seen, spans)
             if q_part:                         # this task owns the rows' dQ: their sums too
